@@ -1,0 +1,49 @@
+// The only code that touches a device. The allocator and the residency manager
+// are written once against this interface; see DESIGN.md "The core".
+#pragma once
+#include <cstddef>
+#include <string>
+
+#include "event.h"
+
+namespace membudget {
+
+enum class CopyDirection { device_to_host, host_to_device };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cuda:0", "host": for stats and error messages.
+  virtual std::string name() const = 0;
+  // Total device memory in bytes; what a budget of "60%" is a fraction of.
+  virtual size_t device_capacity() const = 0;
+
+  // Raw device memory. Returns nullptr when the device itself refuses; the
+  // budget is enforced above this, in CachingAllocator.
+  virtual void* device_alloc(size_t bytes) = 0;
+  virtual void device_free(void* ptr, size_t bytes) = 0;
+  // Host memory for the swap tier: pinned (page-locked) where the device has
+  // such memory, so copies run asynchronously on the copy streams.
+  virtual void* host_alloc(size_t bytes) = 0;
+  virtual void host_free(void* ptr, size_t bytes) = 0;
+
+  // An event that completes when the work queued on `stream` so far is done.
+  virtual EventPtr record(Stream stream) = 0;
+  // Work queued on `stream` after this call waits for `event`. On the host
+  // backend the compute stream is the calling thread, so this blocks it.
+  virtual void stream_wait(Stream stream, const EventPtr& event) = 0;
+
+  // Asynchronous copies on the dedicated copy streams. Each copy starts only
+  // after the work queued so far on `after` (the stream that produced or last
+  // used the device memory) and returns its completion event.
+  virtual EventPtr copy_to_host(void* host_dst, const void* device_src,
+                                size_t bytes, Stream after) = 0;
+  virtual EventPtr copy_to_device(void* device_dst, const void* host_src,
+                                  size_t bytes, Stream after) = 0;
+  // Copies queued on a copy stream and not yet finished: the director's view
+  // of how long a new copy would wait.
+  virtual size_t pending_copies(CopyDirection direction) const = 0;
+};
+
+}  // namespace membudget

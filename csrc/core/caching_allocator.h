@@ -1,0 +1,124 @@
+// CachingAllocator: PyTorch-style block pools over a Backend, bounded by a
+// budget on *reserved* bytes. See DESIGN.md "The core", step 2.
+//
+// Note [Budget]: reserved bytes (all segments obtained from the backend) never
+// exceed budget(). Segment sizes adapt near the budget: when a standard segment
+// (2 MiB small / 20 MiB large) would break it, the segment is shrunk to the
+// rounded request.
+//
+// Note [OOM ladder]: allocate() tries, in order,
+//   1. a cached free block (best fit, same stream, split if large enough);
+//   2. a new segment within the budget;
+//   3. release cached free segments, then a new segment;
+//   4. the Evictor (residency manager) frees memory, then retry 1-3
+//      (repeated while it makes progress);
+//   5. throw OutOfMemory with budget, reserved, allocated, evictable bytes and
+//      a hint.
+//
+// Note [Locking]: public methods take mutex_; private ones assume it is held.
+// The Evictor is called with mutex_ released, because eviction frees memory
+// through deallocate() and may run Python-free code of the manager, which in
+// turn may allocate. Nothing here ever calls Python.
+//
+// Note [Stream-ordered reuse]: a block is tagged with the stream it was
+// allocated on and is reused only for that stream. record_stream(ptr, s) adds
+// another user stream; when such a block is freed, an event is recorded on each
+// extra stream and the block returns to its pool only once all are complete.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+
+namespace membudget {
+
+enum class MemoryKind { device, host };
+
+struct AllocatorStats {
+  size_t allocated_current = 0;  // bytes in live blocks (rounded sizes)
+  size_t allocated_peak = 0;
+  size_t reserved_current = 0;   // bytes in segments from the backend
+  size_t reserved_peak = 0;
+  size_t requested_current = 0;  // bytes callers asked for (unrounded)
+  size_t budget = 0;
+  size_t num_alloc_retries = 0;  // allocations that needed rung 3 or 4
+  size_t num_ooms = 0;
+  size_t num_segments = 0;
+  size_t num_live_blocks = 0;
+  size_t num_evictor_calls = 0;
+};
+
+// One block as seen by snapshot(), for tests and debugging.
+struct BlockInfo {
+  uintptr_t address = 0;
+  size_t size = 0;
+  bool allocated = false;
+  Stream stream = nullptr;
+};
+
+struct SegmentInfo {
+  uintptr_t address = 0;
+  size_t size = 0;
+  bool small_pool = false;
+  std::vector<BlockInfo> blocks;  // in address order, covering the segment
+};
+
+// The failure callback of the OOM ladder ("evict, then retry").
+class Evictor {
+ public:
+  virtual ~Evictor() = default;
+  // Releases memory held by evictable allocations so that a request of
+  // `bytes_needed` on `stream` may fit. Returns the bytes it freed (0 when it
+  // could free nothing). Called without the allocator lock held.
+  virtual size_t evict(size_t bytes_needed, Stream stream) = 0;
+  // One line for the OOM message: evictable bytes by state.
+  virtual std::string describe_evictable() const = 0;
+};
+
+class CachingAllocator {
+ public:
+  // `kind` selects backend.device_alloc or backend.host_alloc as upstream.
+  // `name` appears in error messages ("device", "host tier").
+  CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
+                   std::string name);
+  ~CachingAllocator();  // returns all segments to the backend
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Returns memory for `bytes` (nullptr for 0 bytes) aligned to kMinBlockSize,
+  // usable on `stream`. Throws OutOfMemory at the end of the ladder.
+  void* allocate(size_t bytes, Stream stream = nullptr);
+  // Frees a pointer returned by allocate(). Unknown pointers throw
+  // std::invalid_argument; nullptr is ignored.
+  void deallocate(void* ptr);
+  // Marks ptr as used by `stream` too (see Note [Stream-ordered reuse]).
+  void record_stream(void* ptr, Stream stream);
+
+  // Returns cached free segments to the backend; returns bytes released.
+  size_t release_cached();
+  // Changing the budget below current reserved bytes releases cached segments
+  // first; it does not fail, later allocations must evict to fit.
+  void set_budget(size_t budget_bytes);
+  size_t budget() const;
+  // The evictor is not owned; nullptr removes it.
+  void set_evictor(Evictor* evictor);
+
+  bool owns(const void* ptr) const;
+  // Rounded size of the live block at ptr; 0 when ptr is not live here.
+  size_t allocation_size(const void* ptr) const;
+  // The largest block that could be allocated now without evicting anything.
+  size_t largest_free_or_reservable() const;
+
+  AllocatorStats stats() const;
+  void reset_peak_stats();
+  std::vector<SegmentInfo> snapshot() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace membudget

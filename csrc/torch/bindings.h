@@ -1,0 +1,16 @@
+// Registration functions of the extension module, one per binding file, so
+// that each file binds what it implements and module.cpp only lists them.
+#pragma once
+#include <torch/extension.h>
+
+namespace membudget {
+
+// bind_core.cpp: standalone CachingAllocator / HostBackend objects, for the
+// allocator's property and concurrency tests.
+void bind_core(pybind11::module_& m);
+// runtime.cpp + saved_activation.cpp: install, stats, pack/unpack hooks.
+void bind_runtime(pybind11::module_& m);
+// cuda_symbols.cpp: CUDA backend availability and the pluggable symbols.
+void bind_cuda(pybind11::module_& m);
+
+}  // namespace membudget

@@ -1,0 +1,2 @@
+#include "torch/bindings.h"
+namespace membudget { void bind_runtime(pybind11::module_&) {} }

@@ -1,0 +1,1 @@
+"""membudget (being written)."""
