@@ -1,0 +1,55 @@
+// The process-wide runtime that install() creates: one backend, the budgeted
+// device allocator, the pooled host tier and the residency manager. It lives
+// until the process exits (never destroyed: tensors freed during interpreter
+// shutdown still call into the allocator).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "core/backend.h"
+#include "core/caching_allocator.h"
+
+namespace membudget {
+
+class ResidencyManager;
+
+struct RuntimeConfig {
+  size_t budget_bytes = 0;        // device budget on reserved bytes
+  size_t host_budget_bytes = 0;   // bound of the host swap tier
+  std::string policy = "delta";   // filter name
+  std::string actions = "both";   // swap | recompute | both
+  size_t min_tensor_bytes = 1 << 20;
+  size_t prefetch_bytes = 256u << 20;
+  double high_watermark = 0.8;    // fraction of budget where background swap-out starts
+  bool log_decisions = false;
+};
+
+class Runtime {
+ public:
+  // The runtime, or nullptr before install.
+  static Runtime* get();
+  // Creates the runtime once per process; a second call throws.
+  static Runtime& create(std::unique_ptr<Backend> backend, const RuntimeConfig& config);
+
+  Backend& backend() { return *backend_; }
+  CachingAllocator& device_allocator() { return *device_allocator_; }
+  CachingAllocator& host_tier() { return *host_tier_; }
+  ResidencyManager& manager() { return *manager_; }
+  const RuntimeConfig& config() const { return config_; }
+  void reconfigure(const RuntimeConfig& config);
+
+ private:
+  Runtime(std::unique_ptr<Backend> backend, const RuntimeConfig& config);
+  RuntimeConfig config_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<CachingAllocator> device_allocator_;
+  std::unique_ptr<CachingAllocator> host_tier_;
+  std::unique_ptr<ResidencyManager> manager_;
+};
+
+// Rethrows membudget::OutOfMemory as c10::OutOfMemoryError (so Python sees
+// torch.OutOfMemoryError) around `fn`; used by every allocation entry point.
+template <typename Fn>
+auto with_torch_oom(Fn&& fn) -> decltype(fn());
+
+}  // namespace membudget
