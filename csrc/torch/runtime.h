@@ -47,9 +47,12 @@ class Runtime {
   std::unique_ptr<ResidencyManager> manager_;
 };
 
-// Rethrows membudget::OutOfMemory as c10::OutOfMemoryError (so Python sees
-// torch.OutOfMemoryError) around `fn`; used by every allocation entry point.
-template <typename Fn>
-auto with_torch_oom(Fn&& fn) -> decltype(fn());
+// Allocates from the runtime's device allocator and rethrows
+// membudget::OutOfMemory as c10::OutOfMemoryError, so Python sees
+// torch.OutOfMemoryError. Every torch-facing allocation entry point (the CPU
+// c10::Allocator, the CUDA pluggable symbols) goes through this.
+void* allocate_device_for_torch(size_t bytes, Stream stream);
+// Frees memory returned by allocate_device_for_torch.
+void free_device_for_torch(void* ptr);
 
 }  // namespace membudget
