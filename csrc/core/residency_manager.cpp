@@ -1,1 +1,412 @@
-// placeholder: being written
+#include "core/residency_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <limits>
+
+#include "core/out_of_memory.h"
+#include "core/units.h"
+
+namespace membudget {
+namespace {
+
+// Background swap-outs in flight at once: enough to keep a copy stream busy
+// without flooding the host tier ahead of need.
+constexpr size_t kMaxBackgroundCopies = 8;
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+const char* residency_name(Residency state) {
+  switch (state) {
+    case Residency::resident: return "resident";
+    case Residency::swapping_out: return "swapping_out";
+    case Residency::host: return "host";
+    case Residency::swapping_in: return "swapping_in";
+  }
+  return "?";
+}
+
+ResidencyManager::ResidencyManager(Backend& backend, CachingAllocator& device,
+                                   CachingAllocator& host_tier, ManagerConfig config)
+    : backend_(backend), device_(device), host_tier_(host_tier), config_(std::move(config)),
+      filter_(make_filter(config_.policy)) {}
+
+ResidencyManager::~ResidencyManager() { synchronize(); }
+
+void ResidencyManager::set_config(const ManagerConfig& config) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  filter_ = make_filter(config.policy);
+  config_ = config;
+}
+
+void ResidencyManager::register_entry(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  reap_completed_copies();
+  if (unpacked_since_pack_) {  // Note [Iterations]
+    ++iteration_;
+    order_.begin_iteration();
+    by_seq_.clear();
+    packs_this_iteration_ = 0;
+    prefetch_cursor_ = 0;
+    unpacked_since_pack_ = false;
+  }
+  entry->registered_ = true;
+  entry->state_ = Residency::resident;
+  entry->iteration_ = iteration_;
+  entry->pack_seq_ = packs_this_iteration_++;
+  entry->last_access_ = ++clock_;
+  entries_.insert(entry);
+  by_seq_.push_back(entry);
+  maybe_start_background_swaps();
+}
+
+void ResidencyManager::touch(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  entry->last_access_ = ++clock_;
+}
+
+void ResidencyManager::unregister_entry(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!entry->registered_) return;
+  if (entry->copy_event_) {
+    entry->copy_event_->wait();
+    finish_copy(entry);
+  }
+  if (entry->prefetched_) {
+    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
+    entry->prefetched_ = false;
+  }
+  if (entry->host_copy_ != nullptr) {
+    host_tier_.deallocate(entry->host_copy_);
+    entry->host_copy_ = nullptr;
+    entry->host_valid_ = false;
+  }
+  if (entry->iteration_ == iteration_ && entry->pack_seq_ < by_seq_.size()) {
+    by_seq_[entry->pack_seq_] = nullptr;
+  }
+  entries_.erase(entry);
+  entry->registered_ = false;
+}
+
+void ResidencyManager::finish_copy(ResidencyEntry* entry) {
+  if (entry->state_ == Residency::swapping_out) {
+    entry->host_valid_ = true;  // Note [Host copies]
+  }
+  entry->state_ = Residency::resident;
+  entry->copy_event_.reset();
+  in_flight_.erase(std::remove(in_flight_.begin(), in_flight_.end(), entry), in_flight_.end());
+}
+
+void ResidencyManager::reap_completed_copies() {
+  for (size_t i = 0; i < in_flight_.size();) {
+    ResidencyEntry* entry = in_flight_[i];
+    if (entry->copy_event_ && entry->copy_event_->ready()) {
+      finish_copy(entry);  // erases entry from in_flight_
+    } else {
+      ++i;
+    }
+  }
+}
+
+bool ResidencyManager::is_evictable(const ResidencyEntry* entry) const {
+  return (entry->state_ == Residency::resident || entry->state_ == Residency::swapping_out) &&
+         entry->pins_ == 0 && !entry->externally_referenced();
+}
+
+EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry) {
+  EvictionCandidate c;
+  c.entry = entry;
+  c.bytes = entry->bytes();
+  c.host_valid = entry->host_valid_;
+  c.last_access = entry->last_access_;
+  c.pack_seq = entry->pack_seq_;
+  if (order_.has_prediction() && entry->iteration_ == iteration_) {
+    int64_t now = order_.current_position();
+    int64_t next = order_.next_position(entry->pack_seq_, now);
+    // Never unpacked again in the last iteration: as far away as it gets.
+    c.next_use_distance = next < 0 ? order_.predicted_length() + 1 : next - now;
+  }
+  return c;
+}
+
+std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use) {
+  FilterContext context{clock_, packs_this_iteration_};
+  std::vector<std::pair<double, EvictionCandidate>> scored;
+  for (ResidencyEntry* entry : entries_) {
+    if (!is_evictable(entry)) continue;
+    EvictionCandidate c = make_candidate(entry);
+    // While prefetching, only tensors needed later than the prefetched one may go.
+    if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
+    scored.emplace_back(filter_->score(c, context), c);
+  }
+  std::stable_sort(scored.begin(), scored.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<EvictionCandidate> result;
+  result.reserve(scored.size());
+  for (auto& s : scored) result.push_back(s.second);
+  return result;
+}
+
+bool ResidencyManager::ensure_host_slot(ResidencyEntry* entry) {
+  if (entry->host_copy_ != nullptr) return true;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      entry->host_copy_ = host_tier_.allocate(entry->bytes());
+      return true;
+    } catch (const OutOfMemory&) {
+      if (attempt > 0) break;
+      // Host copies of resident entries are caches: give them up first.
+      for (ResidencyEntry* other : entries_) {
+        if (other != entry && other->state_ == Residency::resident && other->host_copy_ != nullptr &&
+            !other->copy_event_) {
+          host_tier_.deallocate(other->host_copy_);
+          other->host_copy_ = nullptr;
+          other->host_valid_ = false;
+        }
+      }
+    }
+  }
+  ++counters_.host_tier_full;
+  return false;
+}
+
+size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
+  if (entry->state_ == Residency::swapping_out) {
+    entry->copy_event_->wait();
+    finish_copy(entry);
+  }
+  if (!entry->host_valid_) {
+    if (!ensure_host_slot(entry)) return 0;
+    backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream)->wait();
+    entry->host_valid_ = true;
+    counters_.swap_out_bytes += entry->bytes();
+    ++counters_.swap_out_count;
+  }
+  if (config_.log_decisions) {
+    EvictionCandidate c = make_candidate(entry);
+    std::fprintf(stderr, "membudget: evict %s iteration=%llu seq=%llu next_use=%lld policy=%s\n",
+                 format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->iteration_,
+                 (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance, filter_->name());
+  }
+  entry->drop_device_copy();
+  entry->state_ = Residency::host;
+  if (entry->prefetched_) {  // brought in ahead of use, then evicted before it: wasted
+    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
+    entry->prefetched_ = false;
+  }
+  counters_.evicted_bytes += entry->bytes();
+  ++counters_.eviction_count;
+  return entry->bytes();
+}
+
+size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  reap_completed_copies();
+  size_t freed = 0;
+  for (const EvictionCandidate& c : candidates(eviction_horizon_)) {
+    if (freed >= bytes_needed) break;
+    freed += release_device_copy(c.entry, stream);
+  }
+  return freed;
+}
+
+size_t ResidencyManager::evict_all() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  reap_completed_copies();
+  size_t freed = 0;
+  for (const EvictionCandidate& c : candidates(-1)) freed += release_device_copy(c.entry, nullptr);
+  return freed;
+}
+
+void ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) {
+  ++entry->pins_;
+  entry->state_ = Residency::swapping_in;
+  void* device_ptr = nullptr;
+  try {
+    device_ptr = device_.allocate(entry->bytes(), stream);
+  } catch (...) {
+    entry->state_ = Residency::host;
+    --entry->pins_;
+    throw;
+  }
+  entry->attach_device_copy(device_ptr);
+  EventPtr done = backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
+  counters_.swap_in_bytes += entry->bytes();
+  ++counters_.swap_in_count;
+  if (wait) {
+    backend_.stream_wait(stream, done);
+    entry->state_ = Residency::resident;
+  } else {
+    entry->copy_event_ = std::move(done);
+    in_flight_.push_back(entry);
+  }
+  --entry->pins_;
+}
+
+void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  reap_completed_copies();
+  entry->last_access_ = ++clock_;
+  unpacked_since_pack_ = true;
+  if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
+  bool was_prefetched = entry->prefetched_;
+  if (was_prefetched) {
+    entry->prefetched_ = false;
+    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
+  }
+  switch (entry->state_) {
+    case Residency::resident:
+    case Residency::swapping_out:
+      if (was_prefetched) ++counters_.prefetch_hits;
+      break;
+    case Residency::swapping_in: {
+      auto start = std::chrono::steady_clock::now();
+      // The compute stream waits for the copy; on the host backend this blocks.
+      backend_.stream_wait(stream, entry->copy_event_);
+      counters_.stall_seconds += seconds_since(start);
+      finish_copy(entry);
+      if (was_prefetched) ++counters_.prefetch_hits;
+      break;
+    }
+    case Residency::host: {
+      ++counters_.prefetch_misses;
+      auto start = std::chrono::steady_clock::now();
+      swap_in(entry, stream, /*wait=*/true);
+      counters_.stall_seconds += seconds_since(start);
+      break;
+    }
+  }
+  ++entry->pins_;  // released by unpin() once the caller references the storage
+  issue_prefetches(stream);
+  return entry->device_data();
+}
+
+void ResidencyManager::unpin(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  --entry->pins_;
+}
+
+void ResidencyManager::issue_prefetches(Stream stream) {
+  if (config_.prefetch_bytes == 0 || !order_.has_prediction()) return;
+  const int64_t now = order_.current_position();
+  int64_t cursor = std::max(prefetch_cursor_, now);
+  for (; cursor < order_.predicted_length(); ++cursor) {
+    if (prefetch_outstanding_bytes_ >= config_.prefetch_bytes) break;
+    uint64_t seq = order_.predicted_at(cursor);
+    ResidencyEntry* entry = seq < by_seq_.size() ? by_seq_[seq] : nullptr;
+    if (entry == nullptr || entry->state_ != Residency::host) continue;
+    if (prefetch_outstanding_bytes_ > 0 &&
+        prefetch_outstanding_bytes_ + entry->bytes() > config_.prefetch_bytes) {
+      break;
+    }
+    // Room without evicting anything needed sooner than this entry?
+    const int64_t distance = cursor - now;
+    size_t room = device_.largest_free_or_reservable();
+    if (room < entry->bytes()) {
+      for (const EvictionCandidate& c : candidates(distance)) {
+        room += c.bytes;
+        if (room >= entry->bytes()) break;
+      }
+      if (room < entry->bytes()) break;
+    }
+    eviction_horizon_ = distance;
+    try {
+      swap_in(entry, stream, /*wait=*/false);
+    } catch (const OutOfMemory&) {
+      eviction_horizon_ = -1;
+      break;
+    }
+    eviction_horizon_ = -1;
+    entry->prefetched_ = true;
+    prefetch_outstanding_bytes_ += entry->bytes();
+    ++counters_.prefetch_issued;
+  }
+  prefetch_cursor_ = cursor;
+}
+
+void ResidencyManager::maybe_start_background_swaps() {
+  const size_t budget = device_.budget();
+  if (budget == 0 || budget == std::numeric_limits<size_t>::max() || config_.high_watermark >= 1.0) return;
+  const size_t threshold = static_cast<size_t>(config_.high_watermark * static_cast<double>(budget));
+  const size_t allocated = device_.stats().allocated_current;
+  if (allocated <= threshold) return;
+  const size_t excess = allocated - threshold;
+  size_t releasable = 0;  // device bytes that eviction could release without copying
+  for (ResidencyEntry* entry : entries_) {
+    if (entry->state_ == Residency::swapping_out ||
+        (entry->state_ == Residency::resident && entry->host_valid_)) {
+      releasable += entry->bytes();
+    }
+  }
+  for (const EvictionCandidate& c : candidates(-1)) {
+    if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
+    ResidencyEntry* entry = c.entry;
+    if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
+    if (!ensure_host_slot(entry)) break;
+    entry->copy_event_ = backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), nullptr);
+    entry->state_ = Residency::swapping_out;
+    in_flight_.push_back(entry);
+    counters_.swap_out_bytes += entry->bytes();
+    ++counters_.swap_out_count;
+    ++counters_.background_swap_count;
+    releasable += entry->bytes();
+  }
+}
+
+void ResidencyManager::synchronize() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  while (!in_flight_.empty()) {
+    ResidencyEntry* entry = in_flight_.back();
+    entry->copy_event_->wait();
+    finish_copy(entry);
+  }
+}
+
+ManagerStats ResidencyManager::stats() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  ManagerStats s = counters_;
+  s.iteration = iteration_;
+  s.live_entries = entries_.size();
+  for (const ResidencyEntry* entry : entries_) {
+    if (entry->host_copy_ != nullptr) s.host_tier_bytes += entry->bytes();
+    if (entry->state_ == Residency::host) {
+      s.host_bytes += entry->bytes();
+      continue;
+    }
+    if (entry->state_ == Residency::swapping_in) continue;
+    s.resident_bytes += entry->bytes();
+    if (is_evictable(entry)) {
+      s.evictable_bytes += entry->bytes();
+      if (entry->host_valid_) s.evictable_host_backed_bytes += entry->bytes();
+    } else {
+      s.in_use_bytes += entry->bytes();
+    }
+  }
+  return s;
+}
+
+void ResidencyManager::reset_counters() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  counters_ = ManagerStats{};
+}
+
+std::string ResidencyManager::describe_evictable() const {
+  // May be called while the allocator builds an OOM message: never wait here.
+  std::unique_lock<std::recursive_mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return "evictable bytes unknown (residency manager busy)";
+  ManagerStats s = stats();
+  std::string text = "evictable " + format_bytes(s.evictable_bytes) + " (" +
+                     format_bytes(s.evictable_host_backed_bytes) + " already on host), in use by autograd/forward " +
+                     format_bytes(s.in_use_bytes) + ", swapped to host " + format_bytes(s.host_bytes) +
+                     ", host tier " + format_bytes(host_tier_.stats().reserved_current) + " of " +
+                     format_bytes(host_tier_.budget());
+  if (s.host_tier_full > 0) text += "; the host tier is full (raise MEMBUDGET_HOST_BUDGET)";
+  return text;
+}
+
+}  // namespace membudget

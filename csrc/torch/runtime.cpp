@@ -1,2 +1,208 @@
+#include "torch/runtime.h"
+
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+
+#include "core/host_backend.h"
+#include "core/out_of_memory.h"
+#include "core/residency_manager.h"
 #include "torch/bindings.h"
-namespace membudget { void bind_runtime(pybind11::module_&) {} }
+#include "torch/cpu_allocator.h"
+#include "torch/saved_activation.h"
+
+#ifdef MEMBUDGET_WITH_CUDA
+#include "core/cuda_backend.h"
+#endif
+
+namespace py = pybind11;
+
+namespace membudget {
+namespace {
+
+Runtime* g_runtime = nullptr;
+std::mutex g_create_mutex;
+
+size_t budget_or_unbounded(size_t bytes) {
+  return bytes == 0 ? std::numeric_limits<size_t>::max() : bytes;
+}
+
+ManagerConfig manager_config(const RuntimeConfig& config) {
+  ManagerConfig m;
+  m.policy = config.policy;
+  m.prefetch_bytes = config.prefetch_bytes;
+  m.high_watermark = config.high_watermark;
+  m.log_decisions = config.log_decisions;
+  return m;
+}
+
+RuntimeConfig config_from_dict(const py::dict& d) {
+  RuntimeConfig c;
+  if (d.contains("budget_bytes")) c.budget_bytes = d["budget_bytes"].cast<size_t>();
+  if (d.contains("host_budget_bytes")) c.host_budget_bytes = d["host_budget_bytes"].cast<size_t>();
+  if (d.contains("policy")) c.policy = d["policy"].cast<std::string>();
+  if (d.contains("actions")) c.actions = d["actions"].cast<std::string>();
+  if (d.contains("min_tensor_bytes")) c.min_tensor_bytes = d["min_tensor_bytes"].cast<size_t>();
+  if (d.contains("prefetch_bytes")) c.prefetch_bytes = d["prefetch_bytes"].cast<size_t>();
+  if (d.contains("high_watermark")) c.high_watermark = d["high_watermark"].cast<double>();
+  if (d.contains("log_decisions")) c.log_decisions = d["log_decisions"].cast<bool>();
+  return c;
+}
+
+void install_runtime(const std::string& device_kind, int device_index, const py::dict& config_dict) {
+  RuntimeConfig config = config_from_dict(config_dict);
+  make_filter(config.policy);  // validate before touching anything
+  if (Runtime* runtime = Runtime::get()) {
+    if (runtime->device_kind() != device_kind) {
+      throw std::runtime_error("membudget: already installed for " + runtime->device_kind() +
+                               "; one process has one managed device");
+    }
+    runtime->reconfigure(config);
+  } else if (device_kind == "cpu") {
+    Runtime::create(std::make_unique<HostBackend>(), device_kind, config);
+  } else if (device_kind == "cuda") {
+#ifdef MEMBUDGET_WITH_CUDA
+    Runtime::create(make_cuda_backend(device_index), device_kind, config);
+#else
+    (void)device_index;
+    throw std::runtime_error("membudget: this build has no CUDA backend (the CUDA toolkit was not found at build time)");
+#endif
+  } else {
+    throw std::invalid_argument("membudget: unknown device kind '" + device_kind + "'");
+  }
+  Runtime::get()->set_managing(true);
+  if (device_kind == "cpu") install_cpu_allocator();
+}
+
+void uninstall_runtime() {
+  Runtime* runtime = Runtime::get();
+  if (runtime == nullptr) return;
+  runtime->set_managing(false);
+  if (runtime->device_kind() == "cpu") uninstall_cpu_allocator();
+}
+
+py::dict memory_stats() {
+  py::dict d;
+  Runtime* runtime = Runtime::get();
+  if (runtime == nullptr) return d;
+  AllocatorStats a = runtime->device_allocator().stats();
+  AllocatorStats h = runtime->host_tier().stats();
+  ManagerStats m = runtime->manager().stats();
+  auto budget = [](size_t b) { return b == std::numeric_limits<size_t>::max() ? size_t{0} : b; };
+  d["allocated_bytes.all.current"] = a.allocated_current;
+  d["allocated_bytes.all.peak"] = a.allocated_peak;
+  d["reserved_bytes.all.current"] = a.reserved_current;
+  d["reserved_bytes.all.peak"] = a.reserved_peak;
+  d["requested_bytes.all.current"] = a.requested_current;
+  d["budget_bytes"] = budget(a.budget);
+  d["num_alloc_retries"] = a.num_alloc_retries;
+  d["num_ooms"] = a.num_ooms;
+  d["num_segments"] = a.num_segments;
+  d["host_tier_reserved_bytes"] = h.reserved_current;
+  d["host_tier_peak_bytes"] = h.reserved_peak;
+  d["host_budget_bytes"] = budget(h.budget);
+  d["swap_out_bytes"] = m.swap_out_bytes;
+  d["swap_in_bytes"] = m.swap_in_bytes;
+  d["swap_out_count"] = m.swap_out_count;
+  d["swap_in_count"] = m.swap_in_count;
+  d["recompute_count"] = size_t{0};  // recomputation is not built yet
+  d["recompute_bytes"] = size_t{0};
+  d["evicted_bytes"] = m.evicted_bytes;
+  d["eviction_count"] = m.eviction_count;
+  d["background_swap_count"] = m.background_swap_count;
+  d["prefetch_issued"] = m.prefetch_issued;
+  d["prefetch_hits"] = m.prefetch_hits;
+  d["prefetch_misses"] = m.prefetch_misses;
+  d["stall_seconds"] = m.stall_seconds;
+  d["host_tier_full"] = m.host_tier_full;
+  d["live_handles"] = m.live_entries;
+  d["resident_bytes"] = m.resident_bytes;
+  d["host_bytes"] = m.host_bytes;
+  d["evictable_bytes"] = m.evictable_bytes;
+  d["in_use_bytes"] = m.in_use_bytes;
+  d["iteration"] = m.iteration;
+  return d;
+}
+
+}  // namespace
+
+Runtime* Runtime::get() { return g_runtime; }
+
+Runtime& Runtime::create(std::unique_ptr<Backend> backend, const std::string& device_kind,
+                         const RuntimeConfig& config) {
+  std::lock_guard<std::mutex> lock(g_create_mutex);
+  if (g_runtime != nullptr) throw std::logic_error("membudget: the runtime exists already");
+  // Leaked on purpose: memory it handed out is freed until interpreter exit.
+  g_runtime = new Runtime(std::move(backend), device_kind, config);
+  return *g_runtime;
+}
+
+Runtime::Runtime(std::unique_ptr<Backend> backend, const std::string& device_kind, const RuntimeConfig& config)
+    : config_(config), device_kind_(device_kind), backend_(std::move(backend)) {
+  device_allocator_ = std::make_unique<CachingAllocator>(*backend_, MemoryKind::device,
+                                                         budget_or_unbounded(config.budget_bytes), "device");
+  host_tier_ = std::make_unique<CachingAllocator>(*backend_, MemoryKind::host,
+                                                  budget_or_unbounded(config.host_budget_bytes), "host tier");
+  manager_ = std::make_unique<ResidencyManager>(*backend_, *device_allocator_, *host_tier_, manager_config(config));
+  device_allocator_->set_evictor(manager_.get());
+}
+
+void Runtime::reconfigure(const RuntimeConfig& config) {
+  manager_->set_config(manager_config(config));
+  device_allocator_->set_budget(budget_or_unbounded(config.budget_bytes));
+  host_tier_->set_budget(budget_or_unbounded(config.host_budget_bytes));
+  config_ = config;
+}
+
+void* allocate_device_for_torch(size_t bytes, Stream stream) {
+  Runtime* runtime = Runtime::get();
+  TORCH_CHECK(runtime != nullptr, "membudget: allocation before install()");
+  try {
+    return runtime->device_allocator().allocate(bytes, stream);
+  } catch (const OutOfMemory& oom) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, oom.what());
+  }
+}
+
+void free_device_for_torch(void* ptr) {
+  if (ptr == nullptr) return;
+  Runtime::get()->device_allocator().deallocate(ptr);
+}
+
+void bind_runtime(py::module_& m) {
+  bind_saved_activation(m);
+  m.def("install_runtime", &install_runtime, py::arg("device_kind"), py::arg("device_index"), py::arg("config"),
+        "Create (or reconfigure) the runtime; on cpu also install the CPU allocator.");
+  m.def("uninstall_runtime", &uninstall_runtime, "Stop managing; on cpu restore the previous CPU allocator.");
+  m.def("runtime_kind", []() -> std::string { return Runtime::get() ? Runtime::get()->device_kind() : "none"; });
+  m.def("managing", []() { return Runtime::get() != nullptr && Runtime::get()->managing(); });
+  m.def("memory_stats", &memory_stats, "Flat statistics dict (torch.cuda.memory_stats style keys).");
+  m.def("reset_peak_stats", []() {
+    if (Runtime* r = Runtime::get()) {
+      r->device_allocator().reset_peak_stats();
+      r->host_tier().reset_peak_stats();
+    }
+  });
+  m.def("reset_counters", []() {
+    if (Runtime* r = Runtime::get()) r->manager().reset_counters();
+  });
+  m.def("release_cached", []() -> size_t {
+    Runtime* r = Runtime::get();
+    return r ? r->device_allocator().release_cached() : 0;
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("evict_all", []() -> size_t {
+    Runtime* r = Runtime::get();
+    return r ? r->manager().evict_all() : 0;
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("synchronize", []() {
+    if (Runtime* r = Runtime::get()) r->manager().synchronize();
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("device_capacity", [](const std::string& kind) -> size_t {
+    if (Runtime* r = Runtime::get()) return r->backend().device_capacity();
+    if (kind == "cpu") return physical_memory_bytes();
+    return 0;
+  }, py::arg("device_kind") = "cpu");
+  m.def("filter_names", &filter_names);
+}
+
+}  // namespace membudget

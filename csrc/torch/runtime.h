@@ -29,7 +29,8 @@ class Runtime {
   // The runtime, or nullptr before install.
   static Runtime* get();
   // Creates the runtime once per process; a second call throws.
-  static Runtime& create(std::unique_ptr<Backend> backend, const RuntimeConfig& config);
+  static Runtime& create(std::unique_ptr<Backend> backend, const std::string& device_kind,
+                         const RuntimeConfig& config);
 
   Backend& backend() { return *backend_; }
   CachingAllocator& device_allocator() { return *device_allocator_; }
@@ -37,10 +38,17 @@ class Runtime {
   ResidencyManager& manager() { return *manager_; }
   const RuntimeConfig& config() const { return config_; }
   void reconfigure(const RuntimeConfig& config);
+  // "cpu" (HostBackend: torch CPU tensors are the managed memory) or "cuda".
+  const std::string& device_kind() const { return device_kind_; }
+  // Whether pack hands out SavedActivations (false after uninstall).
+  bool managing() const { return managing_; }
+  void set_managing(bool managing) { managing_ = managing; }
 
  private:
-  Runtime(std::unique_ptr<Backend> backend, const RuntimeConfig& config);
+  Runtime(std::unique_ptr<Backend> backend, const std::string& device_kind, const RuntimeConfig& config);
   RuntimeConfig config_;
+  std::string device_kind_;
+  bool managing_ = true;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CachingAllocator> device_allocator_;
   std::unique_ptr<CachingAllocator> host_tier_;

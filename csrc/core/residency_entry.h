@@ -1,0 +1,57 @@
+// ResidencyEntry: one managed storage (a saved activation's memory) as the
+// residency manager sees it. The torch binding subclasses it around a
+// c10::Storage; the core never sees torch types.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "event.h"
+
+namespace membudget {
+
+// resident -> swapping_out -> resident+host copy -> host -> swapping_in -> resident.
+// Note [Host copies]: a storage is only copied to host while nothing but the
+// manager references it, so nobody can write it afterwards; a host copy once
+// complete therefore stays valid for the entry's life, and evicting an entry
+// that has one only frees its device memory.
+enum class Residency : uint8_t { resident, swapping_out, host, swapping_in };
+
+const char* residency_name(Residency state);
+
+class ResidencyEntry {
+ public:
+  explicit ResidencyEntry(size_t bytes) : bytes_(bytes) {}
+  virtual ~ResidencyEntry() = default;
+  ResidencyEntry(const ResidencyEntry&) = delete;
+  ResidencyEntry& operator=(const ResidencyEntry&) = delete;
+
+  size_t bytes() const { return bytes_; }
+
+  // True while anything besides the manager holds the storage: a tensor of the
+  // forward pass, an op that is using it. Such an entry is never evicted.
+  virtual bool externally_referenced() const = 0;
+  // Device address of the data; valid while resident or swapping_out.
+  virtual void* device_data() const = 0;
+  // Releases the device memory (through the allocator's free).
+  virtual void drop_device_copy() = 0;
+  // Takes ownership of `ptr` (from the device allocator, `bytes()` long) as
+  // the new device memory of the storage.
+  virtual void attach_device_copy(void* ptr) = 0;
+
+ private:
+  friend class ResidencyManager;
+  const size_t bytes_;
+  // Everything below is guarded by the manager's mutex.
+  Residency state_ = Residency::resident;
+  bool registered_ = false;
+  bool prefetched_ = false;   // a swap-in was issued by the prefetcher
+  int pins_ = 0;              // >0 while the manager itself is working on it
+  void* host_copy_ = nullptr; // host tier block, bytes() long
+  bool host_valid_ = false;   // host copy complete (Note [Host copies])
+  EventPtr copy_event_;       // in-flight swap-out or swap-in
+  uint64_t last_access_ = 0;  // logical clock
+  uint64_t iteration_ = 0;
+  uint64_t pack_seq_ = 0;     // order of first pack within its iteration
+};
+
+}  // namespace membudget

@@ -1,0 +1,130 @@
+// ResidencyManager: owns the residency of every managed storage (saved
+// activations) and is the allocator's Evictor. See DESIGN.md "The core",
+// steps 3-5.
+//
+// Note [Manager locking]: one recursive mutex guards all entries. It is
+// recursive because a swap-in allocates device memory while holding it, and
+// that allocation may call evict() on the same thread. Lock order is always
+// manager -> allocator: the allocator releases its own lock before calling
+// evict(), so no cycle exists. Nothing here calls Python; the torch binding
+// calls in with the GIL released where it may block.
+//
+// Note [Iterations]: a pack that follows an unpack starts a new iteration.
+// Pack sequence numbers restart at 0, and the unpack order of the iteration
+// that just ended becomes the prediction for prefetch and the delta filter.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/caching_allocator.h"
+#include "core/policy/filters.h"
+#include "core/prefetcher.h"
+#include "core/residency_entry.h"
+
+namespace membudget {
+
+struct ManagerConfig {
+  std::string policy = "delta";
+  size_t prefetch_bytes = 256u << 20;  // 0 disables prefetch
+  double high_watermark = 0.8;         // of the device budget
+  bool log_decisions = false;          // one line per eviction on stderr
+};
+
+struct ManagerStats {
+  size_t live_entries = 0;
+  size_t resident_bytes = 0;
+  size_t host_bytes = 0;             // entries whose only copy is on host
+  size_t host_tier_bytes = 0;        // host copies held (incl. of resident entries)
+  size_t evictable_bytes = 0;        // resident, referenced by nobody else
+  size_t evictable_host_backed_bytes = 0;
+  size_t in_use_bytes = 0;           // resident and referenced elsewhere
+  size_t swap_out_bytes = 0;
+  size_t swap_out_count = 0;
+  size_t swap_in_bytes = 0;
+  size_t swap_in_count = 0;
+  size_t evicted_bytes = 0;          // device bytes released by eviction
+  size_t eviction_count = 0;
+  size_t background_swap_count = 0;
+  size_t prefetch_issued = 0;
+  size_t prefetch_hits = 0;
+  size_t prefetch_misses = 0;
+  size_t host_tier_full = 0;         // evictions refused: host tier full
+  double stall_seconds = 0.0;        // unpack waiting for a swap-in
+  uint64_t iteration = 0;
+};
+
+class ResidencyManager final : public Evictor {
+ public:
+  ResidencyManager(Backend& backend, CachingAllocator& device, CachingAllocator& host_tier,
+                   ManagerConfig config);
+  ~ResidencyManager() override;
+
+  // Called at pack time for a new entry (the storage's first pack).
+  void register_entry(ResidencyEntry* entry);
+  // Called when another saved view of an already registered storage is packed.
+  void touch(ResidencyEntry* entry);
+  // Called from the entry's destructor path: waits for its copies, frees its
+  // host copy. After this the manager never touches the entry.
+  void unregister_entry(ResidencyEntry* entry);
+  // Makes the entry resident (swap-in if needed) and returns its device
+  // address; then issues prefetches for what the last iteration unpacked next.
+  // The caller must reference the storage right after (so it stays resident).
+  // The entry stays pinned (never evicted) until unpin().
+  void* materialize(ResidencyEntry* entry, Stream stream);
+  void unpin(ResidencyEntry* entry);
+
+  // Evictor: releases evictable entries until `bytes_needed` are freed.
+  size_t evict(size_t bytes_needed, Stream stream) override;
+  std::string describe_evictable() const override;
+
+  // Frees the device copies of all evictable entries (swapping those without
+  // a host copy); returns bytes freed. For tests and explicit offload.
+  size_t evict_all();
+  // Blocks until all in-flight copies are complete.
+  void synchronize();
+
+  ManagerStats stats() const;
+  void reset_counters();
+  void set_config(const ManagerConfig& config);
+  const ManagerConfig& config() const { return config_; }
+
+ private:
+  // All private methods assume mutex_ is held.
+  void reap_completed_copies();
+  void finish_copy(ResidencyEntry* entry);
+  std::vector<EvictionCandidate> candidates(int64_t min_next_use);
+  EvictionCandidate make_candidate(ResidencyEntry* entry);
+  bool ensure_host_slot(ResidencyEntry* entry);
+  size_t release_device_copy(ResidencyEntry* entry, Stream stream);
+  void swap_in(ResidencyEntry* entry, Stream stream, bool wait);
+  void maybe_start_background_swaps();
+  void issue_prefetches(Stream stream);
+  bool is_evictable(const ResidencyEntry* entry) const;
+
+  Backend& backend_;
+  CachingAllocator& device_;
+  CachingAllocator& host_tier_;
+  ManagerConfig config_;
+  std::unique_ptr<Filter> filter_;
+
+  mutable std::recursive_mutex mutex_;
+  std::unordered_set<ResidencyEntry*> entries_;
+  std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
+  std::vector<ResidencyEntry*> by_seq_;           // this iteration's entries by pack seq
+  UnpackOrder order_;
+  uint64_t clock_ = 0;
+  uint64_t iteration_ = 0;
+  uint64_t packs_this_iteration_ = 0;
+  bool unpacked_since_pack_ = false;
+  int64_t prefetch_cursor_ = 0;
+  size_t prefetch_outstanding_bytes_ = 0;
+  int64_t eviction_horizon_ = -1;                 // during prefetch: protect nearer uses
+  ManagerStats counters_;
+};
+
+}  // namespace membudget

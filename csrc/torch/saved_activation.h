@@ -1,0 +1,64 @@
+// Saved activations as handles: what the saved_tensors_hooks pack function
+// returns in place of a tensor, and what unpack turns back into one.
+//
+// Note [Storage-level residency]: residency is managed per storage, not per
+// tensor. Several saved tensors may be views of one storage (x and x.t()),
+// and all of them share one StorageResidency; each SavedActivation keeps the
+// view's geometry (sizes, strides, offset, dtype) and rebuilds its view on
+// unpack. A storage is evictable only while its use count is 1, i.e. only the
+// StorageResidency holds it.
+#pragma once
+#include <torch/extension.h>
+
+#include <memory>
+
+#include "core/residency_entry.h"
+
+namespace membudget {
+
+class StorageResidency final : public ResidencyEntry {
+ public:
+  explicit StorageResidency(c10::Storage storage);
+  ~StorageResidency() override;
+
+  bool externally_referenced() const override;
+  void* device_data() const override;
+  void drop_device_copy() override;
+  void attach_device_copy(void* ptr) override;
+
+  // The storage while resident (valid after materialize(), before unpin()).
+  const c10::Storage& storage() const { return storage_; }
+
+ private:
+  c10::Storage storage_;
+  c10::Device device_;
+};
+
+class SavedActivation {
+ public:
+  SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view);
+  // Materialises the storage (swap-in if needed) and rebuilds the view.
+  at::Tensor unpack() const;
+  size_t storage_bytes() const { return residency_->bytes(); }
+  std::string state() const;
+
+ private:
+  std::shared_ptr<StorageResidency> residency_;
+  std::vector<int64_t> sizes_;
+  std::vector<int64_t> strides_;
+  int64_t storage_offset_;
+  at::ScalarType dtype_;
+  c10::Device device_;
+};
+
+// The pack hook: returns a SavedActivation for managed activations, the
+// tensor itself for everything else (parameters, small tensors, tensors whose
+// memory is not ours, subclasses). Called with the GIL held.
+pybind11::object pack_saved_tensor(const at::Tensor& tensor);
+// The unpack hook: the inverse of pack_saved_tensor.
+pybind11::object unpack_saved_tensor(const pybind11::object& packed);
+// Live SavedActivation storages (for leak checks in tests).
+size_t live_storage_residencies();
+void bind_saved_activation(pybind11::module_& m);
+
+}  // namespace membudget
