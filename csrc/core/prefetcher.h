@@ -3,6 +3,7 @@
 // order recorded in the previous iteration predicts the next use of each
 // tensor (identified by its pack sequence number within the iteration).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <unordered_map>
 #include <vector>

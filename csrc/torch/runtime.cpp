@@ -11,8 +11,9 @@
 #include "torch/cpu_allocator.h"
 #include "torch/saved_activation.h"
 
-#ifdef MEMBUDGET_WITH_CUDA
+#if defined(MEMBUDGET_WITH_CUDA) && __has_include("core/cuda_backend.h")
 #include "core/cuda_backend.h"
+#define MEMBUDGET_CUDA_RUNTIME 1
 #endif
 
 namespace py = pybind11;
@@ -61,7 +62,7 @@ void install_runtime(const std::string& device_kind, int device_index, const py:
   } else if (device_kind == "cpu") {
     Runtime::create(std::make_unique<HostBackend>(), device_kind, config);
   } else if (device_kind == "cuda") {
-#ifdef MEMBUDGET_WITH_CUDA
+#ifdef MEMBUDGET_CUDA_RUNTIME
     Runtime::create(make_cuda_backend(device_index), device_kind, config);
 #else
     (void)device_index;
