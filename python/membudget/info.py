@@ -15,21 +15,30 @@ import sys
 import warnings
 from typing import List, Optional, TextIO
 
-__all__ = ["main"]
+__all__ = ["main", "membudget_version"]
 
 
-def _membudget_version(extension_version: Optional[str]) -> str:
+def membudget_version() -> str:
+    """Return membudget's version: the package's ``__version__`` when it has one,
+    else the installed distribution's, else the native extension's, else
+    ``"unknown"``; used by ``membudget --version`` and :func:`main`."""
     import membudget
 
     version = getattr(membudget, "__version__", None)
     if version:
         return str(version)
-    try:
-        from importlib.metadata import PackageNotFoundError, version as package_version
+    from importlib.metadata import PackageNotFoundError, version as package_version
 
+    try:
         return package_version("membudget")
     except PackageNotFoundError:
-        return f"{extension_version} (from the extension; package not installed)" if extension_version else "unknown"
+        pass
+    from membudget._native import NativeExtensionError, load_extension
+
+    try:
+        return f"{load_extension().__version__} (from the native extension)"
+    except (NativeExtensionError, AttributeError):
+        return "unknown"
 
 
 def _configuration_text() -> str:
@@ -72,7 +81,7 @@ def main(stream: Optional[TextIO] = None) -> int:
     cuda_compiled = bool(getattr(extension, "cuda_backend_compiled", False))
     hooks_compiled = bool(getattr(extension, "torch_cuda_hooks_compiled", False))
     backends = "host, cuda" if cuda_compiled else "host"
-    lines = [f"membudget                 {_membudget_version(getattr(extension, '__version__', None))}", *lines]
+    lines = [f"membudget                 {membudget_version()}", *lines]
     lines += [
         f"extension                 {getattr(extension, '__file__', '?')}",
         f"extension version         {getattr(extension, '__version__', '?')}",
