@@ -150,12 +150,13 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
     if options.stats:
         atexit.register(_print_stats_at_exit)
 
+    if module is not None:
+        sys.path[0] = os.getcwd()  # as `python -m`: the module is found from here
+        if not _module_exists(module):
+            run_parser.error(f"cannot run -m {module}: no module named {module!r}")
     try:
         if module is not None:
-            if not _module_exists(module):
-                run_parser.error(f"cannot run -m {module}: no module named {module!r}")
             sys.argv = [module, *script_args]  # run_module replaces argv[0] with the file
-            sys.path[0] = os.getcwd()
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             sys.argv = [script, *script_args]
