@@ -328,3 +328,10 @@ def test_describe_shows_every_setting():
 @pytest.mark.parametrize("count, text", [(0, "0 B"), (512, "512 B"), (MiB, "1 MiB"), (3 * GiB // 2, "1.50 GiB")])
 def test_format_bytes(count, text):
     assert format_bytes(count) == text
+
+
+def test_docs_table_is_the_generated_one():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert env_table_markdown() in docs.read_text(), "regenerate the table in docs/configuration.md"
