@@ -1,6 +1,7 @@
 """Behaviour of membudget.config: every MEMBUDGET_* variable's accepted forms,
 its defaults, its errors (naming the variable and the value) and the docs table."""
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -286,6 +287,10 @@ def test_parse_value_uses_the_given_label():
         parse_value("MEMBUDGET_BUDGET", "x", label="--budget")
 
 
+def test_directly_built_config_has_the_documented_defaults():
+    assert Config() == Config.from_env({})
+
+
 def test_config_is_frozen():
     config = Config.from_env({})
     with pytest.raises(AttributeError):
@@ -331,7 +336,5 @@ def test_format_bytes(count, text):
 
 
 def test_docs_table_is_the_generated_one():
-    from pathlib import Path
-
     docs = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert env_table_markdown() in docs.read_text(), "regenerate the table in docs/configuration.md"

@@ -59,7 +59,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Tuple, Union
 
@@ -417,7 +417,8 @@ class Config:
     :meth:`budget_bytes`. Every other field is already in its final unit."""
 
     budget: Optional[str] = None
-    host_budget_bytes: int = 0
+    host_budget_bytes: int = dataclass_field(
+        default_factory=lambda: int(physical_memory_bytes() * DEFAULT_HOST_BUDGET_FRACTION))
     policy: str = DEFAULT_POLICY
     actions: str = DEFAULT_ACTIONS
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
@@ -452,8 +453,6 @@ class Config:
                 values[variable.field] = variable.parse(raw, key)
             elif variable.name in environ:
                 values[variable.field] = variable.parse(environ[variable.name], variable.name)
-        if "host_budget_bytes" not in values:
-            values["host_budget_bytes"] = int(physical_memory_bytes() * DEFAULT_HOST_BUDGET_FRACTION)
         return cls(**values)
 
     @property
