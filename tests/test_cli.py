@@ -1,0 +1,186 @@
+"""Behaviour of the ``membudget`` command line: usage errors exit 2 with a clear
+message, and ``run`` passes argv, sys.path[0] and the exit code through like
+``python`` does, with install() called before the script's first line."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import membudget
+from membudget import cli
+
+HAS_INSTALL = hasattr(membudget, "install")
+PYTHON_DIR = Path(membudget.__file__).resolve().parent.parent
+needs_install = pytest.mark.skipif(not HAS_INSTALL, reason="membudget.install not built yet")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                      "budget": os.environ.get("MEMBUDGET_BUDGET"),
+                      "installed": os.environ.get("TEST_INSTALLED")}))
+    sys.exit(3)
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "tiny_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.fixture
+def isolated_process_state(monkeypatch):
+    """Let run() change argv, sys.path and MEMBUDGET_* in-process; undo it after."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for variable in ("MEMBUDGET_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_PREFETCH_BYTES", "TEST_INSTALLED"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture
+def stub_install(monkeypatch, isolated_process_state):
+    """A stand-in for membudget.install() that records it was called, so that
+    the run path is tested before the real install() lands."""
+    calls = []
+
+    def install():
+        calls.append(dict(os.environ))
+        os.environ["TEST_INSTALLED"] = "yes"
+
+    monkeypatch.setattr(membudget, "install", install, raising=False)
+    return calls
+
+
+def run_cli(*args, env=None):
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
+    environ.update(env or {})
+    return subprocess.run([sys.executable, "-m", "membudget", *args], capture_output=True, text=True,
+                          env=environ, timeout=120)
+
+
+def test_missing_script_exits_2_with_message(capsys, isolated_process_state):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run"])
+    assert exited.value.code == 2
+    assert "missing script" in capsys.readouterr().err
+
+
+def test_nonexistent_script_exits_2_naming_it(capsys, tmp_path, isolated_process_state):
+    missing = tmp_path / "nope.py"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--budget", "1GiB", str(missing)])
+    assert exited.value.code == 2
+    assert "nope.py" in capsys.readouterr().err
+
+
+def test_bad_budget_exits_2_naming_flag_and_value(capsys, script, isolated_process_state):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--budget", "12 potatoes", str(script)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budget='12 potatoes' is not a size" in err
+    assert "MEMBUDGET_BUDGET" not in os.environ  # nothing applied on error
+
+
+def test_rejected_policy_flag_says_why(capsys, script, isolated_process_state):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--policy", "dtr", str(script)])
+    assert exited.value.code == 2
+    assert "needs recomputation" in capsys.readouterr().err
+
+
+def test_bad_environment_is_reported_before_running(capsys, script, isolated_process_state, monkeypatch):
+    monkeypatch.setenv("MEMBUDGET_PREFETCH_BYTES", "lots")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", str(script)])
+    assert exited.value.code == 2
+    assert "MEMBUDGET_PREFETCH_BYTES='lots'" in capsys.readouterr().err
+
+
+def test_unknown_run_flag_exits_2(capsys, script, isolated_process_state):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "--budgit", "1G", str(script)])
+    assert exited.value.code == 2
+    assert "--budgit" in capsys.readouterr().err
+
+
+def test_bad_budget_in_subprocess_exits_2():
+    result = run_cli("run", "--budget=-3GiB", __file__)
+    assert result.returncode == 2
+    assert "--budget='-3GiB' is not a size: it is negative" in result.stderr
+
+
+def test_unknown_command_exits_2():
+    result = run_cli("simulate")
+    assert result.returncode == 2
+    assert "simulate" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "tokens, options, target",
+    [
+        (["--budget", "1G", "s.py", "--budget", "x"], ["--budget", "1G"], ["s.py", "--budget", "x"]),
+        (["--budget=1G", "--stats", "s.py"], ["--budget=1G", "--stats"], ["s.py"]),
+        (["--", "-weird.py", "a"], [], ["-weird.py", "a"]),
+        (["--policy", "lru", "-m", "pkg.mod", "--x"], ["--policy", "lru"], ["-m", "pkg.mod", "--x"]),
+        (["-mpkg", "--x"], [], ["-mpkg", "--x"]),
+        (["--stats"], ["--stats"], []),
+    ],
+)
+def test_run_arguments_split_like_python(tokens, options, target):
+    assert cli._split_run_arguments(tokens) == (options, target)
+
+
+def test_run_with_stub_install_passes_argv_path_and_exit_code(script, stub_install, capsys):
+    code = cli.main(["run", "--budget", "2GiB", str(script), "a", "--flag", "-x"])
+    assert code == 3
+    assert len(stub_install) == 1
+    assert stub_install[0]["MEMBUDGET_BUDGET"] == "2GiB"  # flags are in the env before install()
+    out = capsys.readouterr().out
+    assert f'"argv": ["{script}", "a", "--flag", "-x"]' in out
+    assert f'"path0": "{script.parent}"' in out
+    assert '"name": "__main__"' in out
+    assert '"installed": "yes"' in out  # install() ran before the script's first line
+
+
+def test_run_module_with_stub_install(script, stub_install, capsys, monkeypatch):
+    monkeypatch.chdir(script.parent)
+    code = cli.main(["run", "-m", "tiny_script", "--x"])
+    assert code == 3
+    out = capsys.readouterr().out
+    assert '"--x"]' in out and "tiny_script.py" in out
+    assert f'"path0": "{script.parent}"' in out
+
+
+def test_run_missing_module_exits_2(stub_install, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "-m", "membudget_no_such_module_xyz"])
+    assert exited.value.code == 2
+    assert "membudget_no_such_module_xyz" in capsys.readouterr().err
+
+
+@needs_install
+def test_run_subprocess_passes_argv_and_exit_code(script):
+    result = run_cli("run", str(script), "one", "--two", "3")
+    assert result.returncode == 3, result.stderr
+    assert f'"argv": ["{script}", "one", "--two", "3"]' in result.stdout
+
+
+@needs_install
+def test_run_subprocess_flag_reaches_environment(script):
+    result = run_cli("run", "--budget", "512MiB", "--", str(script))
+    assert result.returncode == 3, result.stderr
+    assert '"budget": "512MiB"' in result.stdout
+
+
+@needs_install
+def test_run_subprocess_stats_printed_to_stderr(script):
+    result = run_cli("run", "--stats", str(script))
+    assert result.returncode == 3, result.stderr
+    assert "membudget stats" in result.stderr
