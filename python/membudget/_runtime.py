@@ -1,0 +1,135 @@
+"""install() / uninstall(): where a training script meets membudget.
+
+Where this sits in the flow: ``install()`` reads the configuration
+(:mod:`membudget.config`: keyword arguments win over ``MEMBUDGET_*``), creates
+the native runtime (backend, budgeted caching allocator, host tier, residency
+manager), makes it the process allocator (CPU: ``c10::SetCPUAllocator``; CUDA:
+a pluggable allocator) and pushes membudget's ``saved_tensors_hooks`` so that
+activations autograd saves become managed handles.
+
+Note [Hooks are per thread]: PyTorch keeps default saved-tensor hooks per
+thread. ``install()`` pushes them on the calling thread, the one that runs
+forward in ordinary training scripts (``membudget run`` calls it on the main
+thread before the script starts). Backward may run on other threads: unpack
+works from any thread. Non-reentrant ``torch.utils.checkpoint`` regions push
+their own hooks, which win inside them (innermost wins).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Optional, Union
+
+import torch
+
+from .config import Config
+from ._native import load_extension
+
+__all__ = ["install", "uninstall", "is_installed"]
+
+_state_lock = threading.Lock()
+_hooks_thread: Optional[int] = None  # ident of the thread our hooks were pushed on
+
+
+def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("membudget.install(device='cuda'): no CUDA device is visible")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"membudget.install(device={str(device)!r}): supported devices are 'cpu' and 'cuda'")
+    return device
+
+
+def _device_capacity(native, device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device.index).total_memory)
+    return int(native.device_capacity("cpu"))
+
+
+def install(
+    budget: Optional[Union[str, int]] = None,
+    *,
+    host_budget: Optional[Union[str, int]] = None,
+    policy: Optional[str] = None,
+    actions: Optional[str] = None,
+    min_tensor_bytes: Optional[Union[str, int]] = None,
+    prefetch_bytes: Optional[Union[str, int]] = None,
+    high_watermark: Optional[float] = None,
+    log: Optional[Union[str, Iterable[str]]] = None,
+    device: Optional[Union[str, torch.device]] = None,
+) -> Config:
+    """Run this process under a device-memory budget from here on.
+
+    Every argument left as ``None`` comes from its ``MEMBUDGET_*`` variable
+    (see :mod:`membudget.config` for syntax and defaults); ``budget`` accepts
+    bytes, ``"12GiB"``-style sizes or ``"60%"`` of device memory, and no budget
+    at all means memory is only counted. ``device`` defaults to the current CUDA
+    device when one is visible, else the CPU (whose tensors then play the
+    device's part, with the same swapping machinery). Calling ``install()``
+    again reconfigures the running allocator (a new budget applies to the next
+    allocation); the device cannot change within a process. Install before the
+    model is built: memory allocated earlier is not counted or managed. Returns
+    the resolved :class:`~membudget.config.Config`.
+    """
+    global _hooks_thread
+    config = Config.from_env(
+        budget=budget,
+        host_budget=host_budget,
+        policy=policy,
+        actions=actions,
+        min_tensor_bytes=min_tensor_bytes,
+        prefetch_bytes=prefetch_bytes,
+        high_watermark=high_watermark,
+        log=log,
+    )
+    native = load_extension()
+    target = _choose_device(device)
+    budget_bytes = config.budget_bytes(_device_capacity(native, target)) or 0
+    settings = {
+        "budget_bytes": budget_bytes,
+        "host_budget_bytes": config.host_budget_bytes,
+        "policy": config.policy,
+        "actions": config.effective_actions,
+        "min_tensor_bytes": config.min_tensor_bytes,
+        "prefetch_bytes": config.prefetch_bytes,
+        "high_watermark": config.high_watermark,
+        "log_decisions": "decisions" in config.log or "evictions" in config.log,
+    }
+    with _state_lock:
+        first_cuda_install = target.type == "cuda" and native.runtime_kind() == "none"
+        native.install_runtime(target.type, target.index or 0, settings)
+        if first_cuda_install:
+            from ._cuda_install import install_cuda_allocator
+
+            install_cuda_allocator()
+        if _hooks_thread is None:
+            torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+            _hooks_thread = threading.get_ident()
+    return config
+
+
+def uninstall() -> None:
+    """Stop managing new activations and, on the CPU, give torch back its own
+    allocator. Memory membudget already handed out stays valid and is freed
+    through membudget as usual; saved activations already packed still unpack.
+    The CUDA pluggable allocator cannot be swapped out within a process, so on
+    CUDA only the saved-tensor management stops. Call from the thread that
+    called :func:`install`."""
+    global _hooks_thread
+    native = load_extension()
+    with _state_lock:
+        if _hooks_thread is not None:
+            if _hooks_thread != threading.get_ident():
+                raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _hooks_thread = None
+        native.uninstall_runtime()
+
+
+def is_installed() -> bool:
+    """True while membudget manages saved activations in this process."""
+    return bool(load_extension().managing())

@@ -1,0 +1,51 @@
+"""Test markers (defined once, here) and the fixture that puts membudget back
+to a clean, uninstalled state after every test.
+
+Markers: ``requires_cuda`` skips without a CUDA device; ``requires_native``
+skips when the extension is not built (it always is under ``make test``).
+"""
+import gc
+
+import pytest
+import torch
+
+
+def _native_available() -> bool:
+    try:
+        from membudget._native import load_extension
+
+        load_extension()
+        return True
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device (none visible)")
+    no_native = pytest.mark.skip(reason="membudget's native extension is not built (run `make build`)")
+    has_native = _native_available()
+    for item in items:
+        if "requires_cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if "requires_native" in item.keywords and not has_native:
+            item.add_marker(no_native)
+
+
+@pytest.fixture(autouse=True)
+def membudget_clean_state():
+    """After each test: uninstall, drop garbage, return cached segments, zero
+    counters and peaks, so that tests do not see each other's memory."""
+    yield
+    if not _native_available():
+        return
+    import membudget
+    from membudget._native import load_extension
+
+    native = load_extension()
+    if native.runtime_kind() != "none":
+        membudget.uninstall()
+        gc.collect()
+        native.synchronize()
+        native.release_cached()
+        membudget.reset_counters()
+        membudget.reset_peak_stats()

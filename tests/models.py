@@ -1,0 +1,73 @@
+"""Models nobody here wrote (transformers GPT-2 and BERT from small configs,
+no weights downloaded) and an nn.LSTM language model, each with a seeded batch
+maker and a loss function, sized so that activations dominate memory."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Workload:
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+
+
+def _token_batch(vocab: int, batch: int, seq: int) -> Callable[[], tuple]:
+    return lambda: (torch.randint(0, vocab, (batch, seq)),)
+
+
+def gpt2(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=seq, n_embd=64, n_layer=layers, n_head=4,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return Workload(
+        "gpt2",
+        lambda: GPT2LMHeadModel(config),
+        _token_batch(256, batch, seq),
+        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
+    )
+
+
+def bert(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=seq,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return Workload(
+        "bert",
+        lambda: BertForMaskedLM(config),
+        _token_batch(256, batch, seq),
+        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
+    )
+
+
+class LstmLanguageModel(nn.Module):
+    """Embedding, a 2-layer nn.LSTM and a vocabulary projection."""
+
+    def __init__(self, vocab: int = 512, hidden: int = 128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(tokens))
+        return self.head(hidden)
+
+
+def lstm(batch: int = 16, seq: int = 64) -> Workload:
+    vocab = 512
+
+    def loss(model, b):
+        logits = model(b[0][:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), b[0][:, 1:].reshape(-1))
+
+    return Workload("lstm", lambda: LstmLanguageModel(vocab), _token_batch(vocab, batch, seq), loss)

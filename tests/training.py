@@ -1,0 +1,76 @@
+"""Training runs shared by the integration tests: the same seeded steps run
+plain (PyTorch's own allocator, nothing installed) and under membudget, so the
+tests can compare losses and parameters bit for bit."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import membudget
+
+
+@dataclass
+class RunResult:
+    losses: List[float]
+    params: Dict[str, torch.Tensor]
+    stats: Dict[str, float] = field(default_factory=dict)
+    per_step: List[Dict[str, float]] = field(default_factory=list)
+
+
+def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss_fn: Callable,
+          steps: int, seed: int = 0, after_step: Optional[Callable[[int], None]] = None) -> RunResult:
+    """Seeded training: build model and optimizer, run `steps` steps of
+    forward, backward and Adam. Parameters are returned as clones made with
+    torch's own allocator so they survive uninstall."""
+    torch.manual_seed(seed)
+    model = build()
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        inputs = batch()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        del loss, inputs
+        if after_step is not None:
+            after_step(step)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    del model, optimizer
+    gc.collect()
+    return RunResult(losses, params)
+
+
+def run_plain(build, batch, loss_fn, steps: int) -> RunResult:
+    """The unmanaged reference: nothing of membudget installed."""
+    assert not membudget.is_installed()
+    return train(build, batch, loss_fn, steps)
+
+
+def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], **install_args) -> RunResult:
+    """The same run under membudget; returns its stats and per-step stats."""
+    membudget.install(budget=budget if budget else None, **install_args)
+    membudget.reset_counters()
+    membudget.reset_peak_stats()
+    per_step = []
+    result = train(build, batch, loss_fn, steps, after_step=lambda _: per_step.append(membudget.memory_stats()))
+    result.stats = membudget.memory_stats()
+    result.per_step = per_step
+    membudget.uninstall()
+    # The clones were made while installed: copy them out of our memory.
+    result.params = {k: v.clone() for k, v in result.params.items()}
+    gc.collect()
+    return result
+
+
+def assert_identical(reference: RunResult, managed: RunResult) -> None:
+    """Losses and every parameter equal bit for bit."""
+    assert managed.losses == reference.losses, (managed.losses, reference.losses)
+    assert reference.params.keys() == managed.params.keys()
+    for name, value in reference.params.items():
+        assert torch.equal(value, managed.params[name]), f"parameter {name} differs"
