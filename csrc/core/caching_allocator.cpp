@@ -1,1 +1,385 @@
-// placeholder: being written
+#include "caching_allocator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+#include "block_pool.h"
+#include "out_of_memory.h"
+#include "units.h"
+
+namespace membudget {
+
+namespace {
+
+// Requests above this can never be served (and would overflow the size
+// arithmetic); they go straight to the OutOfMemory rung.
+constexpr size_t kMaxRequestBytes = std::numeric_limits<size_t>::max() / 4;
+
+size_t round_size(size_t bytes) {
+  return (bytes + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
+}
+
+// The segment a request of `size` (already rounded) normally gets; see
+// Note [Budget] for when it is shrunk.
+size_t standard_segment_size(size_t size) {
+  if (size <= kSmallSize) return kSmallBuffer;
+  if (size < kMinLargeAlloc) return kLargeBuffer;
+  return (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+}
+
+constexpr const char* kOomHint =
+    "Hint: raise MEMBUDGET_BUDGET, lower the batch size, or let more activations "
+    "be evicted (MEMBUDGET_MIN_TENSOR_BYTES).";
+
+}  // namespace
+
+// All members are guarded by `mutex`; every method of Impl assumes it is held
+// (Note [Locking]).
+struct CachingAllocator::Impl {
+  Impl(Backend& backend_, MemoryKind kind_, size_t budget_bytes, std::string name_)
+      : backend(backend_), kind(kind_), name(std::move(name_)), budget(budget_bytes) {
+    stats.budget = budget_bytes;
+  }
+
+  struct Segment {
+    Block* head;
+    size_t size;
+  };
+
+  Backend& backend;
+  const MemoryKind kind;
+  const std::string name;
+  mutable std::mutex mutex;
+  size_t budget;
+  // Bytes in segments. Atomic so that the budget check reads as RMM's:
+  // reserve with fetch_add, undo on failure.
+  std::atomic<size_t> reserved_bytes{0};
+  Evictor* evictor = nullptr;
+  BlockPool small_pool{true};
+  BlockPool large_pool{false};
+  std::unordered_map<const void*, Block*> live_blocks;
+  std::map<uintptr_t, Segment> segments;  // by address, for snapshot and teardown
+  // Blocks in the "awaiting" state (Note [Block states]), one entry per event.
+  std::vector<std::pair<EventPtr, Block*>> awaiting;
+  AllocatorStats stats;
+
+  void* upstream_alloc(size_t bytes) {
+    return kind == MemoryKind::device ? backend.device_alloc(bytes)
+                                      : backend.host_alloc(bytes);
+  }
+  void upstream_free(void* ptr, size_t bytes) {
+    if (kind == MemoryKind::device) {
+      backend.device_free(ptr, bytes);
+    } else {
+      backend.host_free(ptr, bytes);
+    }
+  }
+
+  bool try_reserve(size_t bytes) {
+    size_t before = reserved_bytes.fetch_add(bytes);
+    if (before + bytes > budget) {
+      reserved_bytes.fetch_sub(bytes);
+      return false;
+    }
+    return true;
+  }
+
+  // Rung 1: best fit among cached blocks of this stream, split if worth it.
+  Block* take_cached(BlockPool& pool, Stream stream, size_t size) {
+    Block* block = pool.take_best_fit(stream, size);
+    if (block != nullptr && pool.should_split(block, size)) {
+      pool.insert(pool.split(block, size));
+    }
+    return block;
+  }
+
+  // Rung 2: a new segment within the budget (Note [Budget]).
+  Block* new_segment(BlockPool& pool, Stream stream, size_t size) {
+    size_t segment_size = standard_segment_size(size);
+    if (!try_reserve(segment_size)) {
+      if (segment_size == size || !try_reserve(size)) return nullptr;
+      segment_size = size;
+    }
+    void* ptr = upstream_alloc(segment_size);
+    if (ptr == nullptr) {
+      reserved_bytes.fetch_sub(segment_size);
+      return nullptr;
+    }
+    auto* block = new Block(static_cast<char*>(ptr), segment_size, stream, &pool);
+    segments.emplace(reinterpret_cast<uintptr_t>(ptr), Segment{block, segment_size});
+    ++stats.num_segments;
+    stats.reserved_peak = std::max(stats.reserved_peak, reserved_bytes.load());
+    if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
+    return block;
+  }
+
+  void* hand_out(Block* block, size_t requested) {
+    block->allocated = true;
+    block->requested = requested;
+    live_blocks.emplace(block->ptr, block);
+    stats.allocated_current += block->size;
+    stats.allocated_peak = std::max(stats.allocated_peak, stats.allocated_current);
+    stats.requested_current += requested;
+    ++stats.num_live_blocks;
+    return block->ptr;
+  }
+
+  // Returns a block whose events are all complete to its pool.
+  void free_block(Block* block) {
+    block->stream_uses.clear();
+    BlockPool* pool = block->pool;
+    pool->insert(pool->merge_free_neighbours(block));
+  }
+
+  // Moves awaiting blocks whose events have completed back to their pools.
+  void process_awaiting() {
+    if (awaiting.empty()) return;
+    size_t kept = 0;
+    for (auto& entry : awaiting) {
+      if (entry.first->ready()) {
+        Block* block = entry.second;
+        if (--block->pending_events == 0) free_block(block);
+      } else {
+        awaiting[kept++] = std::move(entry);
+      }
+    }
+    awaiting.resize(kept);
+  }
+
+  // Rung 3: returns every free block that spans its whole segment to the
+  // backend. Partly used segments stay: their free pieces cannot be returned.
+  size_t release_free_segments() {
+    std::vector<Block*> releasable;
+    for (BlockPool* pool : {&small_pool, &large_pool}) {
+      for (Block* block : pool->free_blocks()) {
+        if (block->spans_segment()) releasable.push_back(block);
+      }
+    }
+    size_t released = 0;
+    for (Block* block : releasable) {
+      block->pool->erase(block);
+      segments.erase(reinterpret_cast<uintptr_t>(block->ptr));
+      upstream_free(block->ptr, block->size);
+      reserved_bytes.fetch_sub(block->size);
+      --stats.num_segments;
+      released += block->size;
+      delete block;
+    }
+    return released;
+  }
+
+  size_t free_cached_bytes() const {
+    size_t bytes = 0;
+    for (const BlockPool* pool : {&small_pool, &large_pool}) {
+      for (const Block* block : pool->free_blocks()) bytes += block->size;
+    }
+    return bytes;
+  }
+
+  Block* live_block(const void* ptr, const char* caller) const {
+    auto it = live_blocks.find(ptr);
+    if (it == live_blocks.end()) {
+      throw std::invalid_argument(std::string("membudget: ") + caller +
+                                  " of a pointer that is not a live allocation of the " +
+                                  name + " allocator");
+    }
+    return it->second;
+  }
+};
+
+CachingAllocator::CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
+                                   std::string name)
+    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name))) {}
+
+CachingAllocator::~CachingAllocator() {
+  for (auto& entry : impl_->segments) {
+    Block* block = entry.second.head;
+    while (block != nullptr) {
+      Block* next = block->next;
+      delete block;
+      block = next;
+    }
+    impl_->upstream_free(reinterpret_cast<void*>(entry.first), entry.second.size);
+  }
+}
+
+// Note [OOM ladder] (in the header) is the outline; each rung is marked below.
+void* CachingAllocator::allocate(size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  Impl& self = *impl_;
+  std::unique_lock<std::mutex> lock(self.mutex);
+  const size_t size = bytes <= kMaxRequestBytes ? round_size(bytes) : 0;
+  // A request larger than the budget can never fit: evicting for it would
+  // only throw away work, so it skips to rung 5.
+  if (size != 0 && size <= self.budget) {
+    BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
+    bool counted_retry = false;
+    for (;;) {
+      self.process_awaiting();
+      Block* block = self.take_cached(pool, stream, size);                // rung 1
+      if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
+      if (block == nullptr) {                                              // rung 3
+        if (!counted_retry) {
+          ++self.stats.num_alloc_retries;
+          counted_retry = true;
+        }
+        if (self.release_free_segments() > 0) {
+          block = self.new_segment(pool, stream, size);
+        }
+      }
+      if (block != nullptr) return self.hand_out(block, bytes);
+
+      Evictor* evictor = self.evictor;                                     // rung 4
+      if (evictor == nullptr) break;
+      ++self.stats.num_evictor_calls;
+      lock.unlock();  // eviction deallocates through this allocator
+      size_t freed = evictor->evict(size, stream);
+      lock.lock();
+      if (freed == 0) break;
+    }
+  }
+
+  // Rung 5. The evictor is asked for its description without our lock held.
+  ++self.stats.num_ooms;
+  Evictor* evictor = self.evictor;
+  std::string numbers = "membudget: out of memory on " + self.name + ": tried to allocate " +
+                        format_bytes(bytes) + "; budget " + format_bytes(self.budget) +
+                        ", reserved " + format_bytes(self.reserved_bytes.load()) +
+                        ", allocated " + format_bytes(self.stats.allocated_current) +
+                        ", free in cache " + format_bytes(self.free_cached_bytes()) + "; ";
+  lock.unlock();
+  std::string evictable = evictor != nullptr ? evictor->describe_evictable()
+                                             : std::string("no evictor installed");
+  throw OutOfMemory(numbers + evictable + ". " + kOomHint, bytes);
+}
+
+void CachingAllocator::deallocate(void* ptr) {
+  if (ptr == nullptr) return;
+  Impl& self = *impl_;
+  std::lock_guard<std::mutex> lock(self.mutex);
+  Block* block = self.live_block(ptr, "deallocate");
+  self.live_blocks.erase(ptr);
+  block->allocated = false;
+  self.stats.allocated_current -= block->size;
+  self.stats.requested_current -= block->requested;
+  --self.stats.num_live_blocks;
+  // Note [Stream-ordered reuse]: one event per extra stream still using it.
+  for (Stream user : block->stream_uses) {
+    EventPtr event = self.backend.record(user);
+    if (event->ready()) continue;
+    ++block->pending_events;
+    self.awaiting.emplace_back(std::move(event), block);
+  }
+  if (block->pending_events == 0) self.free_block(block);
+}
+
+void CachingAllocator::record_stream(void* ptr, Stream stream) {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  Block* block = impl_->live_block(ptr, "record_stream");
+  if (stream == block->stream) return;
+  auto& uses = block->stream_uses;
+  if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
+}
+
+size_t CachingAllocator::release_cached() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->process_awaiting();
+  return impl_->release_free_segments();
+}
+
+void CachingAllocator::set_budget(size_t budget_bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->budget = budget_bytes;
+  impl_->stats.budget = budget_bytes;
+  if (impl_->reserved_bytes.load() > budget_bytes) {
+    impl_->process_awaiting();
+    impl_->release_free_segments();
+  }
+}
+
+size_t CachingAllocator::budget() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->budget;
+}
+
+void CachingAllocator::set_evictor(Evictor* evictor) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->evictor = evictor;
+}
+
+Evictor* CachingAllocator::evictor() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->evictor;
+}
+
+bool CachingAllocator::owns(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->live_blocks.count(ptr) != 0;
+}
+
+size_t CachingAllocator::allocation_size(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->live_blocks.find(ptr);
+  return it == impl_->live_blocks.end() ? 0 : it->second->size;
+}
+
+size_t CachingAllocator::largest_free_or_reservable() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  size_t largest_free = 0;
+  size_t releasable = 0;
+  for (const BlockPool* pool : {&impl_->small_pool, &impl_->large_pool}) {
+    for (const Block* block : pool->free_blocks()) {
+      largest_free = std::max(largest_free, block->size);
+      if (block->spans_segment()) releasable += block->size;
+    }
+  }
+  size_t reserved = impl_->reserved_bytes.load();
+  size_t unreserved = impl_->budget > reserved ? impl_->budget - reserved : 0;
+  size_t reservable = (unreserved + releasable) / kMinBlockSize * kMinBlockSize;
+  return std::max(largest_free, reservable);
+}
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  AllocatorStats result = impl_->stats;
+  result.reserved_current = impl_->reserved_bytes.load();
+  return result;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->stats.allocated_peak = impl_->stats.allocated_current;
+  impl_->stats.reserved_peak = impl_->reserved_bytes.load();
+}
+
+std::vector<SegmentInfo> CachingAllocator::snapshot() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::vector<SegmentInfo> result;
+  result.reserve(impl_->segments.size());
+  for (const auto& entry : impl_->segments) {
+    SegmentInfo segment;
+    segment.address = entry.first;
+    segment.size = entry.second.size;
+    segment.small_pool = entry.second.head->pool->is_small();
+    for (const Block* block = entry.second.head; block != nullptr; block = block->next) {
+      BlockInfo info;
+      info.address = reinterpret_cast<uintptr_t>(block->ptr);
+      info.size = block->size;
+      info.allocated = block->allocated;
+      info.stream = block->stream;
+      info.awaiting_events = !block->allocated && block->pending_events > 0;
+      segment.blocks.push_back(info);
+    }
+    result.push_back(std::move(segment));
+  }
+  return result;
+}
+
+}  // namespace membudget

@@ -57,6 +57,9 @@ struct BlockInfo {
   size_t size = 0;
   bool allocated = false;
   Stream stream = nullptr;
+  // Deallocated, but not reusable until events on the streams given to
+  // record_stream complete (Note [Stream-ordered reuse]).
+  bool awaiting_events = false;
 };
 
 struct SegmentInfo {
@@ -105,11 +108,18 @@ class CachingAllocator {
   size_t budget() const;
   // The evictor is not owned; nullptr removes it.
   void set_evictor(Evictor* evictor);
+  // The installed evictor, or nullptr; lets an evictor uninstall itself when
+  // it is destroyed.
+  Evictor* evictor() const;
 
+  // True when ptr is a live allocation returned by allocate() (its start
+  // address), i.e. one that deallocate() accepts.
   bool owns(const void* ptr) const;
   // Rounded size of the live block at ptr; 0 when ptr is not live here.
   size_t allocation_size(const void* ptr) const;
-  // The largest block that could be allocated now without evicting anything.
+  // The largest block that could be allocated now without evicting anything:
+  // the largest cached free block (on its own stream) or what the budget
+  // leaves once cached free segments are released, whichever is larger.
   size_t largest_free_or_reservable() const;
 
   AllocatorStats stats() const;

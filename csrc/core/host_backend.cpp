@@ -1,1 +1,248 @@
-// placeholder: being written
+#include "host_backend.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace membudget {
+
+namespace {
+
+// Page alignment for every "device" and host buffer: like cudaMalloc, more
+// than any block alignment the allocator relies on (kMinBlockSize).
+constexpr size_t kHostAlignmentBytes = 4096;
+
+// An event completed by another thread. ready() reads an atomic flag so that
+// it never blocks; wait() sleeps on the condition variable.
+class HostEvent final : public Event {
+ public:
+  bool ready() override { return done_.load(std::memory_order_acquire); }
+
+  void wait() override {
+    if (ready()) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_changed_.wait(lock, [this] { return ready(); });
+  }
+
+  void complete() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.store(true, std::memory_order_release);
+    }
+    done_changed_.notify_all();
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  std::condition_variable done_changed_;
+};
+
+void* aligned_or_null(size_t bytes) {
+  void* ptr = nullptr;
+  if (posix_memalign(&ptr, kHostAlignmentBytes, bytes == 0 ? 1 : bytes) != 0) {
+    return nullptr;
+  }
+  return ptr;
+}
+
+// One copy stream: a worker thread draining a FIFO of memcpy jobs. Each job
+// first waits for the event of the stream it was ordered after, so copies on
+// one copy stream stay in issue order, as on a CUDA stream.
+class CopyStream {
+ public:
+  CopyStream() : worker_([this] { run(); }) {}
+
+  ~CopyStream() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_arrived_.notify_one();
+    worker_.join();
+  }
+
+  EventPtr enqueue(void* dst, const void* src, size_t bytes, EventPtr after) {
+    auto done = std::make_shared<HostEvent>();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.push_back(Job{dst, src, bytes, std::move(after), done});
+      pending_.fetch_add(1, std::memory_order_relaxed);
+    }
+    work_arrived_.notify_one();
+    return done;
+  }
+
+  size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Job {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    EventPtr after;
+    std::shared_ptr<HostEvent> done;
+  };
+
+  // Drains the queue; on shutdown it finishes the jobs already queued so that
+  // no waiter of a returned event is left blocked forever.
+  void run() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_arrived_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      if (job.after) job.after->wait();
+      if (job.bytes > 0) std::memcpy(job.dst, job.src, job.bytes);
+      pending_.fetch_sub(1, std::memory_order_relaxed);
+      job.done->complete();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_arrived_;
+  std::deque<Job> jobs_;
+  std::atomic<size_t> pending_{0};  // queued + running
+  bool stopping_ = false;
+  std::thread worker_;  // last: starts after the members it uses exist
+};
+
+}  // namespace
+
+struct HostBackend::Impl {
+  explicit Impl(size_t capacity)
+      : capacity_bytes(capacity == 0 ? physical_memory_bytes() : capacity) {}
+
+  const size_t capacity_bytes;
+  std::atomic<size_t> device_used_bytes{0};
+
+  // Note [Virtual streams]: the held streams and their pending events.
+  std::mutex streams_mutex;
+  std::unordered_map<Stream, std::vector<std::shared_ptr<HostEvent>>> held_streams;
+
+  CopyStream device_to_host;
+  CopyStream host_to_device;
+};
+
+HostBackend::HostBackend(size_t capacity_bytes)
+    : impl_(std::make_unique<Impl>(capacity_bytes)) {}
+
+// Destroying impl_ joins both copy workers after they drain their queues.
+// Events still pending on held virtual streams are completed first, so that a
+// copy ordered after one of them cannot block the join forever.
+HostBackend::~HostBackend() {
+  std::vector<Stream> held;
+  {
+    std::lock_guard<std::mutex> lock(impl_->streams_mutex);
+    for (auto& entry : impl_->held_streams) held.push_back(entry.first);
+  }
+  for (Stream stream : held) release_stream(stream);
+}
+
+size_t HostBackend::device_capacity() const { return impl_->capacity_bytes; }
+
+size_t HostBackend::device_bytes_in_use() const {
+  return impl_->device_used_bytes.load(std::memory_order_relaxed);
+}
+
+void* HostBackend::device_alloc(size_t bytes) {
+  // Reserve first, undo on failure: concurrent callers never overshoot.
+  size_t before = impl_->device_used_bytes.fetch_add(bytes);
+  if (before + bytes > impl_->capacity_bytes) {
+    impl_->device_used_bytes.fetch_sub(bytes);
+    return nullptr;
+  }
+  void* ptr = aligned_or_null(bytes);
+  if (ptr == nullptr) impl_->device_used_bytes.fetch_sub(bytes);
+  return ptr;
+}
+
+void HostBackend::device_free(void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  std::free(ptr);
+  impl_->device_used_bytes.fetch_sub(bytes);
+}
+
+void* HostBackend::host_alloc(size_t bytes) { return aligned_or_null(bytes); }
+
+void HostBackend::host_free(void* ptr, size_t /*bytes*/) { std::free(ptr); }
+
+EventPtr HostBackend::record(Stream stream) {
+  if (stream != nullptr) {
+    std::lock_guard<std::mutex> lock(impl_->streams_mutex);
+    auto held = impl_->held_streams.find(stream);
+    if (held != impl_->held_streams.end()) {
+      auto pending = std::make_shared<HostEvent>();
+      held->second.push_back(pending);
+      return pending;
+    }
+  }
+  // The calling thread's work is done by the time it asks; a non-held virtual
+  // stream has no work at all.
+  return std::make_shared<CompletedEvent>();
+}
+
+// Every stream of this backend runs on the calling thread (Note [Virtual
+// streams]), so "work after this waits" means the caller waits now.
+void HostBackend::stream_wait(Stream /*stream*/, const EventPtr& event) {
+  if (event) event->wait();
+}
+
+EventPtr HostBackend::copy_to_host(void* host_dst, const void* device_src,
+                                   size_t bytes, Stream after) {
+  return impl_->device_to_host.enqueue(host_dst, device_src, bytes, record(after));
+}
+
+EventPtr HostBackend::copy_to_device(void* device_dst, const void* host_src,
+                                     size_t bytes, Stream after) {
+  return impl_->host_to_device.enqueue(device_dst, host_src, bytes, record(after));
+}
+
+size_t HostBackend::pending_copies(CopyDirection direction) const {
+  return direction == CopyDirection::device_to_host ? impl_->device_to_host.pending()
+                                                    : impl_->host_to_device.pending();
+}
+
+void HostBackend::hold_stream(Stream stream) {
+  if (stream == nullptr) {
+    throw std::invalid_argument(
+        "HostBackend::hold_stream: the compute stream (0) cannot be held");
+  }
+  std::lock_guard<std::mutex> lock(impl_->streams_mutex);
+  impl_->held_streams.emplace(stream, std::vector<std::shared_ptr<HostEvent>>{});
+}
+
+void HostBackend::release_stream(Stream stream) {
+  std::vector<std::shared_ptr<HostEvent>> pending;
+  {
+    std::lock_guard<std::mutex> lock(impl_->streams_mutex);
+    auto held = impl_->held_streams.find(stream);
+    if (held == impl_->held_streams.end()) return;
+    pending = std::move(held->second);
+    impl_->held_streams.erase(held);
+  }
+  // Completed outside the lock: waiters may record new events when woken.
+  for (auto& event : pending) event->complete();
+}
+
+size_t physical_memory_bytes() {
+  long pages = sysconf(_SC_PHYS_PAGES);
+  long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<size_t>(pages) * static_cast<size_t>(page_size);
+}
+
+}  // namespace membudget

@@ -3,6 +3,14 @@
 // compute stream is the calling thread, and each copy stream is one worker
 // thread running memcpy, with completion events. Every mechanism of the
 // allocator and manager runs on it, so all of them are tested without a GPU.
+//
+// Note [Virtual streams]: the compute stream is nullptr (the calling thread,
+// whose work is always done by the time it asks). Any other Stream value is a
+// "virtual stream" that exists only for tests of stream-ordered reuse: it has
+// no work of its own, so record() on it returns a completed event, unless a
+// test has called hold_stream(s), in which case events recorded on s stay
+// pending until release_stream(s). This is how a test stands in for a kernel
+// still running on a side stream.
 #pragma once
 #include <memory>
 
@@ -30,6 +38,17 @@ class HostBackend final : public Backend {
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes,
                           Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
+
+  // Bytes currently handed out by device_alloc.
+  size_t device_bytes_in_use() const;
+
+  // Test hook (Note [Virtual streams]): from now on, events recorded on the
+  // virtual stream `stream` stay pending until release_stream(stream).
+  // Holding nullptr (the calling thread) is refused with invalid_argument.
+  void hold_stream(Stream stream);
+  // Test hook: completes every event recorded on `stream` while it was held,
+  // and makes later record(stream) calls complete at once again.
+  void release_stream(Stream stream);
 
  private:
   struct Impl;
