@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import membudget
+from membudget._native import load_extension
 
 
 @dataclass
@@ -54,7 +55,9 @@ def run_plain(build, batch, loss_fn, steps: int) -> RunResult:
 
 def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], **install_args) -> RunResult:
     """The same run under membudget; returns its stats and per-step stats."""
+    gc.collect()
     membudget.install(budget=budget if budget else None, **install_args)
+    load_extension().release_cached()  # so the peak is this run's alone
     membudget.reset_counters()
     membudget.reset_peak_stats()
     per_step = []

@@ -395,6 +395,12 @@ void ResidencyManager::reset_counters() {
   counters_ = ManagerStats{};
 }
 
+void ResidencyManager::reset_prediction() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  order_ = UnpackOrder();
+  prefetch_cursor_ = 0;
+}
+
 std::string ResidencyManager::describe_evictable() const {
   // May be called while the allocator builds an OOM message: never wait here.
   std::unique_lock<std::recursive_mutex> lock(mutex_, std::try_to_lock);

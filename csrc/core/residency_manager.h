@@ -90,6 +90,8 @@ class ResidencyManager final : public Evictor {
 
   ManagerStats stats() const;
   void reset_counters();
+  // Forgets the recorded unpack order (a new model or a new install).
+  void reset_prediction();
   void set_config(const ManagerConfig& config);
   const ManagerConfig& config() const { return config_; }
 

@@ -71,6 +71,7 @@ void install_runtime(const std::string& device_kind, int device_index, const py:
   } else {
     throw std::invalid_argument("membudget: unknown device kind '" + device_kind + "'");
   }
+  Runtime::get()->manager().reset_prediction();
   Runtime::get()->set_managing(true);
   if (device_kind == "cpu") install_cpu_allocator();
 }
