@@ -57,6 +57,17 @@ def test_pluggable_symbols_are_exported_from_the_extension():
         assert getattr(library, name) is not None
 
 
+def test_cuda_build_info_does_not_initialise_cuda():
+    from membudget._cuda_install import cuda_build_info
+
+    initialised_before = torch.cuda.is_initialized()
+    info = cuda_build_info()
+    assert torch.cuda.is_initialized() == initialised_before
+    assert info["cuda_backend_compiled"] is True
+    assert info["cuda_device_count"] == _C.cuda_device_count()
+    assert info["installed_cuda_allocator"] is None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
 def test_install_without_a_device_is_a_clear_error():
     from membudget._cuda_install import install_cuda_allocator

@@ -118,3 +118,23 @@ def install_cuda_allocator() -> str:
     _python_allocator = allocator
     _installed_path = "python"
     return _installed_path
+
+
+def cuda_build_info() -> dict:
+    """Return the CUDA facts ``python -m membudget.info`` prints.
+
+    Whether the extension has a CUDA backend and the C++ hooks path, how many
+    devices the backend sees, and how (if at all) the allocator was installed
+    in this process. Never raises and never initialises ``torch.cuda``.
+    """
+    try:
+        from membudget import _C
+    except ImportError as error:
+        return {"extension": f"not importable: {error}"}
+    return {
+        "cuda_backend_compiled": bool(getattr(_C, "cuda_backend_compiled", False)),
+        "torch_cuda_hooks_compiled": bool(getattr(_C, "torch_cuda_hooks_compiled", False)),
+        "cuda_device_count": _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0,
+        "torch_cuda": torch.version.cuda,
+        "installed_cuda_allocator": _installed_path,
+    }
