@@ -1,0 +1,140 @@
+"""Makes membudget torch's CUDA allocator: the CUDA half of ``install()``.
+
+Where it sits in the flow: ``membudget.install()`` creates the native runtime
+(a CUDA backend, the budgeted device allocator, the residency manager) and then
+calls :func:`install_cuda_allocator`, after which every CUDA tensor's memory
+comes from that allocator through the ``extern "C"`` symbols of the extension
+(``csrc/torch/cuda_symbols.cpp``).
+
+Two paths, best first:
+
+* **C++ hooks** (``_C.torch_cuda_hooks_compiled``, the extension was built
+  against a CUDA torch): a ``CUDAPluggableAllocator`` with ``record_stream``
+  and ``empty_cache`` hooks, made current from C++.
+* **Python fallback**: ``torch.cuda.memory.CUDAPluggableAllocator`` over the
+  same symbols. It cannot set hooks, so ``tensor.record_stream()`` is silently
+  a no-op and ``torch.cuda.empty_cache()`` does nothing; a warning says so.
+
+torch can swap its CUDA allocator only before its own caching allocator is
+initialised, which happens when ``torch.cuda`` is first initialised (the first
+CUDA tensor, ``torch.cuda.synchronize()``, ``torch.cuda.memory_allocated()``,
+...). So the check here uses only ``torch.cuda.is_initialized()``: querying
+memory statistics would itself initialise CUDA and make the swap impossible.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# The allocator object of the Python path, kept alive for the process: torch
+# holds the C++ allocator, but the ctypes library handle lives in this object.
+_python_allocator = None
+# "hooks" or "python" once installed in this process, else None.
+_installed_path: str | None = None
+
+
+def installed_cuda_allocator_path() -> str | None:
+    """Return how membudget became torch's CUDA allocator in this process.
+
+    ``"hooks"`` for the C++ path with record_stream/empty_cache hooks,
+    ``"python"`` for the hook-less fallback, ``None`` when it is not installed.
+    """
+    return _installed_path
+
+
+def check_cuda_allocator_swappable() -> None:
+    """Raise RuntimeError when torch's CUDA allocator can no longer be replaced.
+
+    It can be replaced only in a process that has not yet initialised
+    ``torch.cuda``; the message names what to change. Does not itself
+    initialise CUDA.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "membudget: no CUDA device is available to this process "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); "
+            "the CUDA allocator cannot be installed"
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "membudget: torch.cuda was already initialised in this process, so "
+            "torch's CUDA caching allocator is active and cannot be replaced. "
+            "Call membudget.install() before the first CUDA tensor, "
+            "torch.cuda.synchronize() or torch.cuda.memory_* call, or run the "
+            "script unchanged with `membudget run script.py`."
+        )
+
+
+def install_cuda_allocator() -> str:
+    """Make membudget's budgeted allocator torch's CUDA allocator.
+
+    Requires the native runtime to exist already (``membudget.install()``
+    creates it, then calls this). Uses the C++ hooks path when the extension
+    was built against a CUDA torch, else the Python ``CUDAPluggableAllocator``
+    with a warning that ``record_stream`` is a no-op. Raises RuntimeError when
+    there is no CUDA device, the extension has no CUDA backend, or CUDA was
+    already used in this process. Calling it again after success does nothing.
+    Returns the path used: ``"hooks"`` or ``"python"``.
+    """
+    global _installed_path, _python_allocator
+    if _installed_path is not None:
+        return _installed_path
+    from membudget import _C
+
+    if not getattr(_C, "cuda_backend_compiled", False):
+        raise RuntimeError(
+            "membudget: this build of the extension has no CUDA backend (the CUDA "
+            "toolkit was not found when it was built); rebuild it with the toolkit "
+            "installed (CUDA_HOME or /usr/local/cuda)"
+        )
+    check_cuda_allocator_swappable()
+
+    if getattr(_C, "torch_cuda_hooks_compiled", False):
+        _C.install_cuda_pluggable_with_hooks()
+        _installed_path = "hooks"
+        return _installed_path
+
+    warnings.warn(
+        "membudget: the extension was built against a torch without CUDA, so the "
+        "CUDA allocator is installed through torch.cuda.memory.CUDAPluggableAllocator "
+        "without hooks: tensor.record_stream() is a no-op (memory used on a side "
+        "stream may be reused too early) and torch.cuda.empty_cache() does nothing. "
+        "Rebuild the extension against this CUDA torch to get the hooks.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    symbols = _C.cuda_allocator_symbols
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _C.extension_path(), symbols["malloc"], symbols["free"]
+    )
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as error:
+        raise RuntimeError(
+            "membudget: torch refused to replace its CUDA allocator "
+            f"({error}); install membudget before any CUDA use in this process"
+        ) from error
+    _python_allocator = allocator
+    _installed_path = "python"
+    return _installed_path
+
+
+def cuda_build_info() -> dict:
+    """Return the CUDA facts ``python -m membudget.info`` prints.
+
+    Whether the extension has a CUDA backend and the C++ hooks path, how many
+    devices the backend sees, and how (if at all) the allocator was installed
+    in this process. Never raises and never initialises ``torch.cuda``.
+    """
+    try:
+        from membudget import _C
+    except ImportError as error:
+        return {"extension": f"not importable: {error}"}
+    return {
+        "cuda_backend_compiled": bool(getattr(_C, "cuda_backend_compiled", False)),
+        "torch_cuda_hooks_compiled": bool(getattr(_C, "torch_cuda_hooks_compiled", False)),
+        "cuda_device_count": _C.cuda_device_count() if hasattr(_C, "cuda_device_count") else 0,
+        "torch_cuda": torch.version.cuda,
+        "installed_cuda_allocator": _installed_path,
+    }

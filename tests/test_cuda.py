@@ -1,0 +1,245 @@
+"""CUDA backend and CUDA install: what a user of a GPU relies on.
+
+The first tests run everywhere (the extension is built with the CUDA toolkit
+here and in CI); the rest need a device and skip without one. Tests that
+install membudget as torch's CUDA allocator run in a subprocess each, because
+the allocator is process-wide and can be set only before CUDA is first used.
+"""
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from membudget import _C
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+MiB = 1 << 20
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter that imports membudget from this tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def last_json_line(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- everywhere -------------------------------------------------------------
+
+def test_extension_reports_the_cuda_build():
+    assert _C.cuda_backend_compiled is True
+    count = _C.cuda_device_count()
+    assert isinstance(count, int) and count >= 0
+    if not torch.cuda.is_available():
+        assert count == 0
+    # The hooks path exists exactly when the extension was built against a CUDA torch.
+    assert hasattr(_C, "install_cuda_pluggable_with_hooks") == bool(_C.torch_cuda_hooks_compiled)
+
+
+def test_pluggable_symbols_are_exported_from_the_extension():
+    library = ctypes.CDLL(_C.extension_path())
+    for name in _C.cuda_allocator_symbols.values():
+        assert getattr(library, name) is not None
+
+
+def test_cuda_build_info_does_not_initialise_cuda():
+    from membudget._cuda_install import cuda_build_info
+
+    initialised_before = torch.cuda.is_initialized()
+    info = cuda_build_info()
+    assert torch.cuda.is_initialized() == initialised_before
+    assert info["cuda_backend_compiled"] is True
+    assert info["cuda_device_count"] == _C.cuda_device_count()
+    assert info["installed_cuda_allocator"] is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_install_without_a_device_is_a_clear_error():
+    from membudget._cuda_install import install_cuda_allocator
+
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        install_cuda_allocator()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_backend_without_a_device_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="no CUDA device cuda:0"):
+        _C._CudaTestBackend(0)
+
+
+# ---- on a CUDA device: the backend --------------------------------------------
+
+@requires_cuda
+def test_backend_selftest_round_trips_bytes():
+    result = _C.cuda_backend_selftest(0, 8 * MiB + 3)
+    assert result["round_trip_ok"]
+    assert result["ready_after_wait"]
+    assert result["pending_after_wait"] == 0
+    assert result["device_capacity"] == torch.cuda.get_device_properties(0).total_memory
+
+
+@requires_cuda
+def test_copies_are_ordered_after_the_compute_stream():
+    """A D2H copy reads what compute queued before it, an H2D copy is visible
+    to compute queued after stream_wait (Note [Copy ordering])."""
+    backend = _C._CudaTestBackend(0)
+    n = 64 * MiB
+    compute = torch.cuda.current_stream()
+    data = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    host = backend.host_alloc(n)
+    try:
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(10):  # keep the stream busy so an unordered copy would read zeros
+            a = torch.tanh(a @ a)
+        data.fill_(7)
+        down = backend.copy_to_host(host, data.data_ptr(), n, compute.cuda_stream)
+        down.wait()
+        assert ctypes.string_at(host, 64) == b"\x07" * 64
+        assert ctypes.string_at(host + n - 64, 64) == b"\x07" * 64
+        assert backend.pending_copies("d2h") == 0
+
+        ctypes.memset(host, 9, n)
+        target = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        up = backend.copy_to_device(target.data_ptr(), host, n, compute.cuda_stream)
+        backend.stream_wait(compute.cuda_stream, up)
+        assert int((target == 9).sum().item()) == n  # queued on compute after the wait
+        assert backend.pending_copies("h2d") == 0
+    finally:
+        torch.cuda.synchronize()
+        backend.host_free(host, n)
+
+
+@requires_cuda
+def test_copy_overlaps_compute():
+    """A D2H copy on the backend's copy stream runs while a long matmul loop
+    runs on the compute stream: it completes before the compute does."""
+    backend = _C._CudaTestBackend(0)
+    n = 256 * MiB
+    source = torch.full((n,), 3, dtype=torch.uint8, device="cuda")
+    a = torch.randn(8192, 8192, device="cuda")
+    out = torch.empty_like(a)
+    idle = torch.cuda.Stream()  # nothing queued: the copy may start at once
+    host = backend.host_alloc(n)
+    torch.cuda.synchronize()
+    try:
+        compute_started, compute_done = torch.cuda.Event(), torch.cuda.Event()
+        compute_started.record()
+        for _ in range(40):
+            torch.mm(a, a, out=out)
+        compute_done.record()
+        copy_done = backend.copy_to_host(host, source.data_ptr(), n, idle.cuda_stream)
+        copy_done.wait()
+        compute_finished_first = compute_done.query()
+        torch.cuda.synchronize()
+        assert compute_started.query()
+        assert not compute_finished_first, "the copy waited for the compute stream"
+        assert ctypes.string_at(host, 64) == b"\x03" * 64
+    finally:
+        torch.cuda.synchronize()
+        backend.host_free(host, n)
+
+
+# ---- on a CUDA device: install in a fresh process -------------------------------
+
+@requires_cuda
+def test_install_after_cuda_use_is_a_clear_error():
+    result = run_python("""
+        import torch
+        from membudget._cuda_install import install_cuda_allocator
+        torch.zeros(1, device="cuda")
+        try:
+            install_cuda_allocator()
+        except RuntimeError as error:
+            print("refused:", error)
+        else:
+            print("installed")
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "refused:" in result.stdout and "already initialised" in result.stdout
+
+
+TRAIN_STEP = """
+    import json, sys, torch
+    import membudget
+    budget = sys.argv[1] if len(sys.argv) > 1 else None
+    if budget:
+        membudget.install(budget=budget)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(16):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32768, 1024, device="cuda")
+    losses = []
+    for _ in range(2):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    if budget:
+        stats = membudget.memory_stats()
+        peak = stats["reserved_bytes.all.peak"]
+        budget_bytes = stats["budget_bytes"]
+        swapped = stats.get("swap_out_bytes", 0) + stats.get("recompute_count", 0)
+    else:
+        peak, budget_bytes, swapped = torch.cuda.max_memory_reserved(), 0, 0
+    print(json.dumps({"losses": losses, "peak": peak, "budget": budget_bytes, "swapped": swapped}))
+"""
+
+
+@requires_cuda
+def test_training_under_a_budget_matches_unmanaged_run():
+    """17 saved activations of 128 MiB (about 2.5 GiB peak unmanaged) trained
+    under 1.5 GiB, where the working set of one layer's backward (the input,
+    weights, gradients and a few 128 MiB temporaries, under 1 GiB) fits: the
+    peak reserved bytes stay within the budget and the losses match."""
+    def run(*args):
+        code = "import sys; sys.argv[1:] = %r\n" % (list(args),) + textwrap.dedent(TRAIN_STEP)
+        return last_json_line(run_python(code, timeout=300))
+
+    unmanaged = run()
+    managed = run("1536MiB")
+    assert unmanaged["peak"] > 1536 * MiB, "the model must not fit the budget unmanaged"
+    assert managed["budget"] == 1536 * MiB
+    assert managed["peak"] <= managed["budget"]
+    assert managed["swapped"] > 0
+    assert managed["losses"] == pytest.approx(unmanaged["losses"], rel=1e-5)
+
+
+@requires_cuda
+def test_record_stream_and_empty_cache_reach_membudget():
+    result = run_python("""
+        import json, torch, membudget
+        membudget.install(budget="2GiB")
+        from membudget._cuda_install import installed_cuda_allocator_path
+        side = torch.cuda.Stream()
+        x = torch.ones(4 << 20, device="cuda")
+        with torch.cuda.stream(side):
+            y = x * 2
+        x.record_stream(side)
+        del x
+        side.synchronize()
+        torch.cuda.empty_cache()
+        print(json.dumps({"path": installed_cuda_allocator_path(), "y": y[0].item()}))
+    """)
+    out = last_json_line(result)
+    assert out["path"] == "hooks"
+    assert out["y"] == 2.0
