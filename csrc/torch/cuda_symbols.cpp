@@ -265,28 +265,3 @@ void bind_cuda(py::module_& m) {
 }
 
 }  // namespace membudget
-
-// Note [Temporary weak stubs]: on branch `cuda`, runtime.cpp and
-// caching_allocator.cpp are still placeholders, and Python loads extensions
-// with RTLD_NOW, so the module would not import without these. They are weak:
-// the real (strong) definitions replace them at link time once those files
-// land (runtime.cpp is an object of this module; caching_allocator.o is pulled
-// from the core archive by Runtime's use of CachingAllocator). Delete this
-// block after the merge; -DMEMBUDGET_NO_WEAK_STUBS leaves it out already.
-#ifndef MEMBUDGET_NO_WEAK_STUBS
-namespace membudget {
-__attribute__((weak)) Runtime* Runtime::get() { return nullptr; }
-__attribute__((weak)) void* allocate_device_for_torch(size_t, Stream) {
-  throw std::logic_error("membudget: runtime not built into this extension (weak stub)");
-}
-__attribute__((weak)) void free_device_for_torch(void*) {
-  throw std::logic_error("membudget: runtime not built into this extension (weak stub)");
-}
-__attribute__((weak)) void CachingAllocator::record_stream(void*, Stream) {
-  throw std::logic_error("membudget: CachingAllocator not built into this extension (weak stub)");
-}
-__attribute__((weak)) size_t CachingAllocator::release_cached() {
-  throw std::logic_error("membudget: CachingAllocator not built into this extension (weak stub)");
-}
-}  // namespace membudget
-#endif  // MEMBUDGET_NO_WEAK_STUBS

@@ -11,10 +11,7 @@
 #include "torch/cpu_allocator.h"
 #include "torch/saved_activation.h"
 
-#if defined(MEMBUDGET_WITH_CUDA) && __has_include("core/cuda_backend.h")
-#include "core/cuda_backend.h"
-#define MEMBUDGET_CUDA_RUNTIME 1
-#endif
+#include "torch/cuda_symbols.h"
 
 namespace py = pybind11;
 
@@ -62,12 +59,7 @@ void install_runtime(const std::string& device_kind, int device_index, const py:
   } else if (device_kind == "cpu") {
     Runtime::create(std::make_unique<HostBackend>(), device_kind, config);
   } else if (device_kind == "cuda") {
-#ifdef MEMBUDGET_CUDA_RUNTIME
-    Runtime::create(make_cuda_backend(device_index), device_kind, config);
-#else
-    (void)device_index;
-    throw std::runtime_error("membudget: this build has no CUDA backend (the CUDA toolkit was not found at build time)");
-#endif
+    Runtime::create(make_cuda_backend_or_throw(device_index), device_kind, config);
   } else {
     throw std::invalid_argument("membudget: unknown device kind '" + device_kind + "'");
   }
@@ -158,7 +150,7 @@ void Runtime::reconfigure(const RuntimeConfig& config) {
 
 void* allocate_device_for_torch(size_t bytes, Stream stream) {
   Runtime* runtime = Runtime::get();
-  TORCH_CHECK(runtime != nullptr, "membudget: allocation before install()");
+  TORCH_CHECK(runtime != nullptr, "membudget: allocation through membudget before install() created the runtime");
   try {
     return runtime->device_allocator().allocate(bytes, stream);
   } catch (const OutOfMemory& oom) {
@@ -168,7 +160,9 @@ void* allocate_device_for_torch(size_t bytes, Stream stream) {
 
 void free_device_for_torch(void* ptr) {
   if (ptr == nullptr) return;
-  Runtime::get()->device_allocator().deallocate(ptr);
+  Runtime* runtime = Runtime::get();
+  TORCH_CHECK(runtime != nullptr, "membudget: free through membudget without a runtime");
+  runtime->device_allocator().deallocate(ptr);
 }
 
 void bind_runtime(py::module_& m) {
