@@ -209,5 +209,5 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None)
+    max_examples=300, stateful_step_count=50, deadline=None)
 TestAllocatorProperties = AllocatorMachine.TestCase

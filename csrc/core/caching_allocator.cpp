@@ -214,6 +214,7 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
   if (bytes == 0) return nullptr;
   Impl& self = *impl_;
   std::unique_lock<std::mutex> lock(self.mutex);
+  self.process_awaiting();
   const size_t size = bytes <= kMaxRequestBytes ? round_size(bytes) : 0;
   // A request larger than the budget can never fit: evicting for it would
   // only throw away work, so it skips to rung 5.
@@ -221,7 +222,6 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
     BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
     bool counted_retry = false;
     for (;;) {
-      self.process_awaiting();
       Block* block = self.take_cached(pool, stream, size);                // rung 1
       if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
       if (block == nullptr) {                                              // rung 3
@@ -242,6 +242,7 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
       size_t freed = evictor->evict(size, stream);
       lock.lock();
       if (freed == 0) break;
+      self.process_awaiting();
     }
   }
 
@@ -298,10 +299,8 @@ void CachingAllocator::set_budget(size_t budget_bytes) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->budget = budget_bytes;
   impl_->stats.budget = budget_bytes;
-  if (impl_->reserved_bytes.load() > budget_bytes) {
-    impl_->process_awaiting();
-    impl_->release_free_segments();
-  }
+  impl_->process_awaiting();
+  if (impl_->reserved_bytes.load() > budget_bytes) impl_->release_free_segments();
 }
 
 size_t CachingAllocator::budget() const {
