@@ -182,14 +182,10 @@ struct CachingAllocator::Impl {
     return bytes;
   }
 
-  Block* live_block(const void* ptr, const char* caller) const {
-    auto it = live_blocks.find(ptr);
-    if (it == live_blocks.end()) {
-      throw std::invalid_argument(std::string("membudget: ") + caller +
-                                  " of a pointer that is not a live allocation of the " +
-                                  name + " allocator");
-    }
-    return it->second;
+  [[noreturn]] void throw_not_live(const char* caller) const {
+    throw std::invalid_argument(std::string("membudget: ") + caller +
+                                " of a pointer that is not a live allocation of the " +
+                                name + " allocator");
   }
 };
 
@@ -264,8 +260,10 @@ void CachingAllocator::deallocate(void* ptr) {
   if (ptr == nullptr) return;
   Impl& self = *impl_;
   std::lock_guard<std::mutex> lock(self.mutex);
-  Block* block = self.live_block(ptr, "deallocate");
-  self.live_blocks.erase(ptr);
+  auto live = self.live_blocks.find(ptr);
+  if (live == self.live_blocks.end()) self.throw_not_live("deallocate");
+  Block* block = live->second;
+  self.live_blocks.erase(live);
   block->allocated = false;
   self.stats.allocated_current -= block->size;
   self.stats.requested_current -= block->requested;
@@ -283,7 +281,9 @@ void CachingAllocator::deallocate(void* ptr) {
 void CachingAllocator::record_stream(void* ptr, Stream stream) {
   if (ptr == nullptr) return;
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  Block* block = impl_->live_block(ptr, "record_stream");
+  auto live = impl_->live_blocks.find(ptr);
+  if (live == impl_->live_blocks.end()) impl_->throw_not_live("record_stream");
+  Block* block = live->second;
   if (stream == block->stream) return;
   auto& uses = block->stream_uses;
   if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
