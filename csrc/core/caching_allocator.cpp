@@ -182,14 +182,10 @@ struct CachingAllocator::Impl {
     return bytes;
   }
 
-  Block* live_block(const void* ptr, const char* caller) const {
-    auto it = live_blocks.find(ptr);
-    if (it == live_blocks.end()) {
-      throw std::invalid_argument(std::string("membudget: ") + caller +
-                                  " of a pointer that is not a live allocation of the " +
-                                  name + " allocator");
-    }
-    return it->second;
+  [[noreturn]] void throw_not_live(const char* caller) const {
+    throw std::invalid_argument(std::string("membudget: ") + caller +
+                                " of a pointer that is not a live allocation of the " +
+                                name + " allocator");
   }
 };
 
@@ -214,6 +210,7 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
   if (bytes == 0) return nullptr;
   Impl& self = *impl_;
   std::unique_lock<std::mutex> lock(self.mutex);
+  self.process_awaiting();
   const size_t size = bytes <= kMaxRequestBytes ? round_size(bytes) : 0;
   // A request larger than the budget can never fit: evicting for it would
   // only throw away work, so it skips to rung 5.
@@ -221,7 +218,6 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
     BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
     bool counted_retry = false;
     for (;;) {
-      self.process_awaiting();
       Block* block = self.take_cached(pool, stream, size);                // rung 1
       if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
       if (block == nullptr) {                                              // rung 3
@@ -242,6 +238,7 @@ void* CachingAllocator::allocate(size_t bytes, Stream stream) {
       size_t freed = evictor->evict(size, stream);
       lock.lock();
       if (freed == 0) break;
+      self.process_awaiting();
     }
   }
 
@@ -263,8 +260,10 @@ void CachingAllocator::deallocate(void* ptr) {
   if (ptr == nullptr) return;
   Impl& self = *impl_;
   std::lock_guard<std::mutex> lock(self.mutex);
-  Block* block = self.live_block(ptr, "deallocate");
-  self.live_blocks.erase(ptr);
+  auto live = self.live_blocks.find(ptr);
+  if (live == self.live_blocks.end()) self.throw_not_live("deallocate");
+  Block* block = live->second;
+  self.live_blocks.erase(live);
   block->allocated = false;
   self.stats.allocated_current -= block->size;
   self.stats.requested_current -= block->requested;
@@ -282,7 +281,9 @@ void CachingAllocator::deallocate(void* ptr) {
 void CachingAllocator::record_stream(void* ptr, Stream stream) {
   if (ptr == nullptr) return;
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  Block* block = impl_->live_block(ptr, "record_stream");
+  auto live = impl_->live_blocks.find(ptr);
+  if (live == impl_->live_blocks.end()) impl_->throw_not_live("record_stream");
+  Block* block = live->second;
   if (stream == block->stream) return;
   auto& uses = block->stream_uses;
   if (std::find(uses.begin(), uses.end(), stream) == uses.end()) uses.push_back(stream);
@@ -298,10 +299,8 @@ void CachingAllocator::set_budget(size_t budget_bytes) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->budget = budget_bytes;
   impl_->stats.budget = budget_bytes;
-  if (impl_->reserved_bytes.load() > budget_bytes) {
-    impl_->process_awaiting();
-    impl_->release_free_segments();
-  }
+  impl_->process_awaiting();
+  if (impl_->reserved_bytes.load() > budget_bytes) impl_->release_free_segments();
 }
 
 size_t CachingAllocator::budget() const {

@@ -24,6 +24,9 @@
 // allocated on and is reused only for that stream. record_stream(ptr, s) adds
 // another user stream; when such a block is freed, an event is recorded on each
 // extra stream and the block returns to its pool only once all are complete.
+// Completion is checked (never waited for) at the start of allocate(), after
+// each eviction, and in release_cached() and set_budget(); until then such a
+// block shows in snapshot() with awaiting_events set.
 #pragma once
 #include <cstddef>
 #include <cstdint>

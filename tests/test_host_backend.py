@@ -1,0 +1,81 @@
+"""HostBackend, the simulated device: bounded "device" memory, copies on the
+D2H/H2D worker threads with completion events, and held virtual streams
+(Note [Virtual streams] in csrc/core/host_backend.h)."""
+import pytest
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from membudget._C import core
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def test_device_memory_is_aligned_and_bounded_by_capacity():
+    backend = core.HostBackend(capacity_bytes=4 * MiB)
+    assert backend.device_capacity() == 4 * MiB
+    first = backend.device_alloc(3 * MiB)
+    assert first != 0 and first % 4096 == 0
+    assert backend.device_alloc(2 * MiB) == 0  # would exceed the capacity
+    assert backend.device_bytes_in_use() == 3 * MiB
+    backend.device_free(first, 3 * MiB)
+    second = backend.device_alloc(4 * MiB)
+    assert second != 0
+    backend.device_free(second, 4 * MiB)
+    assert backend.device_bytes_in_use() == 0
+
+
+def test_zero_capacity_means_physical_memory():
+    assert core.HostBackend().device_capacity() > 64 * MiB
+
+
+def test_copies_round_trip_through_host_memory():
+    backend = core.HostBackend()
+    payload = bytes(range(256)) * 1024
+    device = backend.device_alloc(len(payload))
+    host = backend.host_alloc(len(payload))
+    back = backend.device_alloc(len(payload))
+    backend.write_bytes(device, payload)
+    backend.copy_to_host(host, device, len(payload)).wait()
+    assert backend.read_bytes(host, len(payload)) == payload
+    event = backend.copy_to_device(back, host, len(payload))
+    event.wait()
+    assert event.ready()
+    assert backend.read_bytes(back, len(payload)) == payload
+    assert backend.pending_copies("device_to_host") == 0
+    assert backend.pending_copies("host_to_device") == 0
+    for address in (device, back):
+        backend.device_free(address, len(payload))
+    backend.host_free(host, len(payload))
+
+
+def test_copy_waits_for_the_stream_it_is_ordered_after():
+    backend = core.HostBackend()
+    device = backend.device_alloc(4 * KiB)
+    host = backend.host_alloc(8 * KiB)
+    backend.write_bytes(device, b"x" * 4 * KiB)
+    backend.hold_stream(9)
+    blocked = backend.copy_to_host(host, device, 4 * KiB, after=9)
+    queued_behind = backend.copy_to_host(host + 4 * KiB, device, 4 * KiB)  # FIFO
+    assert not blocked.ready() and not queued_behind.ready()
+    assert backend.pending_copies("device_to_host") == 2
+    backend.release_stream(9)
+    queued_behind.wait()
+    assert blocked.ready()
+    assert backend.read_bytes(host, 8 * KiB) == b"x" * 8 * KiB
+    assert backend.pending_copies("device_to_host") == 0
+    backend.device_free(device, 4 * KiB)
+    backend.host_free(host, 8 * KiB)
+
+
+def test_events_on_held_streams_stay_pending_until_release():
+    backend = core.HostBackend()
+    assert backend.record(0).ready()
+    assert backend.record(4).ready()  # a virtual stream with no work
+    backend.hold_stream(4)
+    event = backend.record(4)
+    assert not event.ready()
+    backend.release_stream(4)
+    assert event.ready()
+    backend.stream_wait(0, event)  # returns: the event is complete
+    with pytest.raises(ValueError):
+        backend.hold_stream(0)
