@@ -47,6 +47,8 @@ struct CachingAllocator::Impl {
     stats.budget = budget_bytes;
   }
 
+  void* climb_ladder(size_t bytes, Stream stream, std::unique_lock<std::mutex>& lock);
+
   struct Segment {
     Block* head;
     size_t size;
@@ -205,42 +207,53 @@ CachingAllocator::~CachingAllocator() {
   }
 }
 
-// Note [OOM ladder] (in the header) is the outline; each rung is marked below.
-void* CachingAllocator::allocate(size_t bytes, Stream stream) {
-  if (bytes == 0) return nullptr;
-  Impl& self = *impl_;
-  std::unique_lock<std::mutex> lock(self.mutex);
+// Note [OOM ladder] (in the header) is the outline; rungs 1-4 are here, and
+// rung 5 (the error) is allocate()'s. Returns nullptr when every rung failed.
+void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::unique_lock<std::mutex>& lock) {
+  Impl& self = *this;
   self.process_awaiting();
   const size_t size = bytes <= kMaxRequestBytes ? round_size(bytes) : 0;
   // A request larger than the budget can never fit: evicting for it would
   // only throw away work, so it skips to rung 5.
-  if (size != 0 && size <= self.budget) {
-    BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
-    bool counted_retry = false;
-    for (;;) {
-      Block* block = self.take_cached(pool, stream, size);                // rung 1
-      if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
-      if (block == nullptr) {                                              // rung 3
-        if (!counted_retry) {
-          ++self.stats.num_alloc_retries;
-          counted_retry = true;
-        }
-        if (self.release_free_segments() > 0) {
-          block = self.new_segment(pool, stream, size);
-        }
+  if (size == 0 || size > self.budget) return nullptr;
+  BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
+  bool counted_retry = false;
+  for (;;) {
+    Block* block = self.take_cached(pool, stream, size);                // rung 1
+    if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
+    if (block == nullptr) {                                              // rung 3
+      if (!counted_retry) {
+        ++self.stats.num_alloc_retries;
+        counted_retry = true;
       }
-      if (block != nullptr) return self.hand_out(block, bytes);
-
-      Evictor* evictor = self.evictor;                                     // rung 4
-      if (evictor == nullptr) break;
-      ++self.stats.num_evictor_calls;
-      lock.unlock();  // eviction deallocates through this allocator
-      size_t freed = evictor->evict(size, stream);
-      lock.lock();
-      if (freed == 0) break;
-      self.process_awaiting();
+      if (self.release_free_segments() > 0) {
+        block = self.new_segment(pool, stream, size);
+      }
     }
+    if (block != nullptr) return self.hand_out(block, bytes);
+
+    Evictor* evictor = self.evictor;                                     // rung 4
+    if (evictor == nullptr) return nullptr;
+    ++self.stats.num_evictor_calls;
+    lock.unlock();  // eviction deallocates through this allocator
+    size_t freed = evictor->evict(size, stream);
+    lock.lock();
+    if (freed == 0) return nullptr;
+    self.process_awaiting();
   }
+}
+
+void* CachingAllocator::try_allocate(size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  std::unique_lock<std::mutex> lock(impl_->mutex);
+  return impl_->climb_ladder(bytes, stream, lock);
+}
+
+void* CachingAllocator::allocate(size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  Impl& self = *impl_;
+  std::unique_lock<std::mutex> lock(self.mutex);
+  if (void* ptr = self.climb_ladder(bytes, stream, lock)) return ptr;
 
   // Rung 5. The evictor is asked for its description without our lock held.
   ++self.stats.num_ooms;

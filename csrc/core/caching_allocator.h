@@ -97,6 +97,9 @@ class CachingAllocator {
   // Returns memory for `bytes` (nullptr for 0 bytes) aligned to kMinBlockSize,
   // usable on `stream`. Throws OutOfMemory at the end of the ladder.
   void* allocate(size_t bytes, Stream stream = nullptr);
+  // The same ladder without its last rung: returns nullptr instead of
+  // throwing, and does not count an OOM. For speculative work (prefetch).
+  void* try_allocate(size_t bytes, Stream stream = nullptr);
   // Frees a pointer returned by allocate(). Unknown pointers throw
   // std::invalid_argument; nullptr is ignored.
   void deallocate(void* ptr);

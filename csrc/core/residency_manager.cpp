@@ -144,8 +144,12 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
     scored.emplace_back(filter_->score(c, context), c);
   }
-  std::stable_sort(scored.begin(), scored.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  // Whatever the filter says, a tensor the prefetcher just brought in goes
+  // last: evicting it before its use wastes both copies.
+  std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
+    if (a.second.entry->prefetched_ != b.second.entry->prefetched_) return !a.second.entry->prefetched_;
+    return a.first > b.first;
+  });
   std::vector<EvictionCandidate> result;
   result.reserve(scored.size());
   for (auto& s : scored) result.push_back(s.second);
@@ -223,16 +227,22 @@ size_t ResidencyManager::evict_all() {
   return freed;
 }
 
-void ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) {
+bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) {
   ++entry->pins_;
   entry->state_ = Residency::swapping_in;
   void* device_ptr = nullptr;
   try {
-    device_ptr = device_.allocate(entry->bytes(), stream);
+    // A prefetch (not waited for) is speculative: it must not end in an OOM.
+    device_ptr = wait ? device_.allocate(entry->bytes(), stream) : device_.try_allocate(entry->bytes(), stream);
   } catch (...) {
     entry->state_ = Residency::host;
     --entry->pins_;
     throw;
+  }
+  if (device_ptr == nullptr) {
+    entry->state_ = Residency::host;
+    --entry->pins_;
+    return false;
   }
   entry->attach_device_copy(device_ptr);
   EventPtr done = backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
@@ -246,6 +256,7 @@ void ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
     in_flight_.push_back(entry);
   }
   --entry->pins_;
+  return true;
 }
 
 void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
@@ -315,13 +326,9 @@ void ResidencyManager::issue_prefetches(Stream stream) {
       if (room < entry->bytes()) break;
     }
     eviction_horizon_ = distance;
-    try {
-      swap_in(entry, stream, /*wait=*/false);
-    } catch (const OutOfMemory&) {
-      eviction_horizon_ = -1;
-      break;
-    }
+    const bool issued = swap_in(entry, stream, /*wait=*/false);
     eviction_horizon_ = -1;
+    if (!issued) break;
     entry->prefetched_ = true;
     prefetch_outstanding_bytes_ += entry->bytes();
     ++counters_.prefetch_issued;

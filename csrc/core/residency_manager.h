@@ -103,7 +103,8 @@ class ResidencyManager final : public Evictor {
   EvictionCandidate make_candidate(ResidencyEntry* entry);
   bool ensure_host_slot(ResidencyEntry* entry);
   size_t release_device_copy(ResidencyEntry* entry, Stream stream);
-  void swap_in(ResidencyEntry* entry, Stream stream, bool wait);
+  // False only for a prefetch (wait == false) that found no room.
+  bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
   void issue_prefetches(Stream stream);
   bool is_evictable(const ResidencyEntry* entry) const;
