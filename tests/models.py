@@ -50,12 +50,12 @@ def bert(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) 
 
 
 class LstmLanguageModel(nn.Module):
-    """Embedding, a 2-layer nn.LSTM and a vocabulary projection."""
+    """Embedding, a stacked nn.LSTM and a vocabulary projection."""
 
-    def __init__(self, vocab: int = 512, hidden: int = 128):
+    def __init__(self, vocab: int = 512, hidden: int = 128, layers: int = 4):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True, dropout=0.1)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True, dropout=0.1)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -212,9 +212,18 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   size_t freed = 0;
-  for (const EvictionCandidate& c : candidates(eviction_horizon_)) {
-    if (freed >= bytes_needed) break;
-    freed += release_device_copy(c.entry, stream);
+  for (int pass = 0; pass < 2 && freed < bytes_needed; ++pass) {
+    if (pass == 1) {
+      // Copies in flight pin their entries (a prefetch being swapped in, a
+      // background swap-out). Rather than fail the allocation, let them
+      // finish so those entries become evictable too.
+      if (in_flight_.empty()) break;
+      synchronize();
+    }
+    for (const EvictionCandidate& c : candidates(eviction_horizon_)) {
+      if (freed >= bytes_needed) break;
+      freed += release_device_copy(c.entry, stream);
+    }
   }
   return freed;
 }
