@@ -1,0 +1,94 @@
+"""What a user sees when things go wrong: a budget below the working set is a
+torch.OutOfMemoryError with the numbers, a full host tier says so, and an
+exception in the middle of forward leaks no handles and no memory."""
+import gc
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import membudget
+from membudget._native import load_extension
+
+pytestmark = pytest.mark.requires_native
+
+MiB = 1 << 20
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(8)])
+
+
+def test_budget_below_working_set_raises_torch_oom_with_numbers():
+    membudget.install(budget=2 * MiB, min_tensor_bytes=64 * 1024)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        model = _mlp()  # 8 x 1 MiB of weights: more than the whole budget
+        model(torch.randn(256, 512)).sum().backward()
+    message = str(info.value)
+    assert "budget 2.00 MiB" in message
+    for word in ("reserved", "allocated", "evictable", "MEMBUDGET_BUDGET"):
+        assert word in message, message
+    assert membudget.memory_stats()["num_ooms"] >= 1
+
+
+def test_exception_mid_forward_leaves_no_handles_and_no_memory():
+    membudget.install(budget=64 * MiB, min_tensor_bytes=64 * 1024)
+    model = _mlp()
+    x = torch.randn(256, 512)
+    gc.collect()
+    native = load_extension()
+    before = membudget.memory_stats()["allocated_bytes.all.current"]
+    handles_before = native.live_handles()
+
+    class Boom(RuntimeError):
+        pass
+
+    def forward_that_fails():
+        h = x
+        for i, layer in enumerate(model):
+            h = layer(h)
+            if i == 5:
+                assert native.live_handles() > handles_before  # activations were managed
+                raise Boom("failure in the middle of forward")
+        return h
+
+    with pytest.raises(Boom):
+        forward_that_fails()
+    gc.collect()
+    assert native.live_handles() == handles_before
+    assert membudget.memory_stats()["allocated_bytes.all.current"] == before
+
+
+def test_host_tier_full_is_named_in_the_error():
+    # The device budget forces eviction, and the host tier cannot take it.
+    membudget.install(budget=24 * MiB, host_budget=1 * MiB, min_tensor_bytes=64 * 1024)
+    model = _mlp()
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        h = torch.randn(1024, 512)
+        for _ in range(3):
+            h = model(h)
+        h.sum().backward()
+    assert re.search(r"host tier is full", str(info.value)), str(info.value)
+    assert membudget.memory_stats()["host_tier_full"] > 0
+    del model
+
+
+def test_install_rejects_bad_arguments_clearly():
+    with pytest.raises(membudget.ConfigError, match="budget"):
+        membudget.install(budget="12 potatoes")
+    with pytest.raises(membudget.ConfigError, match="policy"):
+        membudget.install(budget="1GiB", policy="fifo")
+    with pytest.raises(membudget.ConfigError, match="recompute"):
+        membudget.install(budget="1GiB", actions="recompute")
+    assert not membudget.is_installed()
+
+
+def test_reinstall_reconfigures_budget_and_stats_report_it():
+    membudget.install(budget="64MiB")
+    assert membudget.memory_stats()["budget_bytes"] == 64 * MiB
+    membudget.install(budget="32MiB")
+    assert membudget.memory_stats()["budget_bytes"] == 32 * MiB
+    text = str(membudget.stats())
+    assert "budget 32 MiB" in text
