@@ -371,6 +371,13 @@ void CachingAllocator::reset_peak_stats() {
   impl_->stats.reserved_peak = impl_->reserved_bytes.load();
 }
 
+void CachingAllocator::reset_counters() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->stats.num_alloc_retries = 0;
+  impl_->stats.num_ooms = 0;
+  impl_->stats.num_evictor_calls = 0;
+}
+
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   std::vector<SegmentInfo> result;

@@ -130,6 +130,8 @@ class CachingAllocator {
 
   AllocatorStats stats() const;
   void reset_peak_stats();
+  // Zeroes the event counters (retries, OOMs, evictor calls).
+  void reset_counters();
   std::vector<SegmentInfo> snapshot() const;
 
  private:

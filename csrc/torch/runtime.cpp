@@ -180,7 +180,11 @@ void bind_runtime(py::module_& m) {
     }
   });
   m.def("reset_counters", []() {
-    if (Runtime* r = Runtime::get()) r->manager().reset_counters();
+    if (Runtime* r = Runtime::get()) {
+      r->manager().reset_counters();
+      r->device_allocator().reset_counters();
+      r->host_tier().reset_counters();
+    }
   });
   m.def("release_cached", []() -> size_t {
     Runtime* r = Runtime::get();

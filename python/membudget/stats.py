@@ -37,7 +37,8 @@ def reset_peak_stats() -> None:
 
 
 def reset_counters() -> None:
-    """Zero the swap, eviction and prefetch counters (peaks are separate)."""
+    """Zero the event counters: swaps, evictions, prefetch hits and misses,
+    allocation retries and OOMs (peaks are reset by :func:`reset_peak_stats`)."""
     load_extension().reset_counters()
 
 
