@@ -19,8 +19,13 @@ $(VENV)/.deps: requirements-dev.txt | $(PY)
 
 venv: $(VENV)/.deps
 
-build: venv
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^\s*$$" || true
+# The editable install (once) makes `membudget` and `python -m membudget` work
+# in the venv; every build after it is CMake's incremental one.
+$(VENV)/.installed: setup.py | $(VENV)/.deps
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(VENV)/.installed
 	$(PY) setup.py -q build_ext --inplace
 	$(PY) -m membudget.info
 
@@ -31,10 +36,10 @@ test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: build
-	$(PY) bench/run_all.py
+	$(PY) bench/bench_swap.py
 
 info: build
 	$(PY) -m membudget.info
 
 clean:
-	rm -rf build python/membudget/_C*.so *.egg-info python/*.egg-info
+	rm -rf build python/membudget/_C*.so *.egg-info python/*.egg-info $(VENV)/.installed
