@@ -52,6 +52,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="budget as a fraction of the unmanaged peak (default 0.5)")
     parser.add_argument("--models", default=",".join(WORKLOADS),
                         help=f"comma-separated models to run (default {','.join(WORKLOADS)})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per run (default on cpu: 1, see below; on cuda: torch's)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run (default 300)")
     parser.add_argument("--json", action="store_true", help="end the output with the summary as one JSON line")
     args = parser.parse_args(list(argv))
@@ -84,7 +86,7 @@ def _run(spec: RunSpec, label: str, timeout: float) -> Dict[str, Any]:
 
 
 def run_demo(models: Sequence[str], *, steps: int, quick: bool, device: str, fraction: float,
-             timeout: float = 300.0) -> List[Dict[str, Any]]:
+             threads: Optional[int] = None, timeout: float = 300.0) -> List[Dict[str, Any]]:
     """Run the three configurations for each model and return one summary row
     per model (a dict; see :func:`format_table` for the columns). A row's
     ``ok`` is False when a run failed, a membudget run is not bit-identical to
@@ -93,7 +95,7 @@ def run_demo(models: Sequence[str], *, steps: int, quick: bool, device: str, fra
     size = "quick" if quick else "default"
     for model in models:
         _progress(f"[{model}] {steps} steps on {device}")
-        base = dict(model=model, steps=steps, size=size, device=device)
+        base = dict(model=model, steps=steps, size=size, device=device, threads=threads)
         plain = _run(RunSpec(mode="plain", **base), "plain PyTorch", timeout)
         unbudgeted = _run(RunSpec(mode="unbudgeted", **base), "membudget, no budget (peak)", timeout)
         row: Dict[str, Any] = {"model": model, "fraction": fraction, "ok": False}
@@ -171,18 +173,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return worker_main(argv, WORKLOADS)
     args = _parse(argv)
     device = args.device or _default_device()
+    # On a CPU shared with other work, torch's default (one thread per core)
+    # makes a step wait for whichever thread the OS has descheduled: a 20 ms
+    # step then takes ~1 s at random. One thread keeps plain and managed step
+    # times comparable; --threads overrides.
+    threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     started = time.perf_counter()
     rows = run_demo(args.models, steps=args.steps, quick=args.quick, device=device, fraction=args.fraction,
-                    timeout=args.timeout)
+                    threads=threads, timeout=args.timeout)
     size = "quick" if args.quick else "default"
-    print(f"\nmembudget demo: {args.steps} steps per run on {device} ({size} models), "
+    print(f"\nmembudget demo: {args.steps} steps per run on {device} ({size} models, "
+          f"{threads or 'default'} torch threads), "
           f"budget {args.fraction:.0%} of the unmanaged peak, {time.perf_counter() - started:.0f} s in all")
     print("step ratio: median step time under the budget / plain PyTorch, first step left out")
     print(format_table(rows))
     ok = all(row["ok"] for row in rows)
     print("all runs bit-identical to plain PyTorch and within budget" if ok else "FAILED: see the table above")
     if args.json:
-        summary = {"ok": ok, "device": device, "steps": args.steps, "quick": args.quick,
+        summary = {"ok": ok, "device": device, "threads": threads, "steps": args.steps, "quick": args.quick,
                    "fraction": args.fraction, "rows": rows}
         print(json.dumps(summary))
     return 0 if ok else 1

@@ -77,7 +77,8 @@ class RunSpec:
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
     ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
-    (``None``: the library's default)."""
+    (``None``: the library's default); ``threads`` sets torch's intra-op
+    threads (``None``: torch's default)."""
 
     model: str
     mode: str
@@ -89,6 +90,7 @@ class RunSpec:
     min_tensor_bytes: Optional[int] = DEFAULT_MIN_TENSOR_BYTES
     prefetch_bytes: Optional[int] = None
     seed: int = 0
+    threads: Optional[int] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -153,6 +155,8 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     the peak is this training run's alone."""
     import torch
 
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
         # Bit-identical runs need deterministic kernels (cuDNN, index_add, ...).

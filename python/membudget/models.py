@@ -199,11 +199,11 @@ def cnn(batch: int = 16, image_size: int = 32, widths: Tuple[int, ...] = (32, 64
 
 
 def _quick_gpt() -> Workload:
-    return gpt(batch=4, context=64, width=64, heads=4, layers=2, vocab=256)
+    return gpt(batch=4, context=128, width=64, heads=4, layers=2, vocab=512)
 
 
 def _quick_cnn() -> Workload:
-    return cnn(batch=8, image_size=16, widths=(16, 32), blocks_per_stage=1)
+    return cnn(batch=8, image_size=32, widths=(16, 32), blocks_per_stage=1)
 
 
 #: Workloads by name and size: ``WORKLOADS[name]["default" | "quick"]()``.
