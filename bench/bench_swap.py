@@ -15,8 +15,9 @@ after ``--warmup`` warm-up steps.
     python bench/bench_swap.py [--quick] [--steps 10] [--models gpt2,bert,lstm,cnn]
                                [--markdown bench/RESULTS.md]
 
-Columns: peak reserved (MiB), step-time ratio to plain PyTorch, MiB swapped
-out (and in), prefetch hit rate (hits / (hits + misses)), seconds stalled
+Columns: peak reserved (MiB; for the plain row, the unmanaged peak in
+parentheses), step-time ratio to plain PyTorch (for the plain row, its median
+step time), MiB swapped out/in, prefetch hit rate (hits / (hits + misses)), seconds stalled
 waiting for swap-ins, and whether losses and parameters are bit-identical to
 the plain run.
 """
@@ -104,9 +105,11 @@ def lstm(batch: int = 16, seq: int = 64) -> builtin.Workload:
 
 
 WORKLOADS: Dict[str, Dict[str, Callable[[], builtin.Workload]]] = {
-    "gpt2": {"default": gpt2, "quick": lambda: gpt2(batch=4, seq=64)},
-    "bert": {"default": bert, "quick": lambda: bert(batch=4, seq=64)},
-    "lstm": {"default": lstm, "quick": lambda: lstm(batch=8, seq=32)},
+    # quick: the sizes of tests/models.py; default: larger batches and
+    # sequences so that a step takes 0.1-0.3 s on one CPU thread.
+    "gpt2": {"default": lambda: gpt2(batch=16, seq=256), "quick": gpt2},
+    "bert": {"default": lambda: bert(batch=16, seq=256), "quick": bert},
+    "lstm": {"default": lambda: lstm(batch=32, seq=128), "quick": lstm},
     "cnn": builtin.WORKLOADS["cnn"],
 }
 
@@ -120,7 +123,8 @@ def step_seconds(result: Dict[str, Any], warmup: int) -> float:
 
 def bench_model(model: str, args) -> List[Dict[str, Any]]:
     """All configurations of one model; one row per configuration."""
-    base = dict(model=model, steps=args.steps, size="quick" if args.quick else "default", device=args.device)
+    base = dict(model=model, steps=args.steps, size="quick" if args.quick else "default", device=args.device,
+                threads=args.threads or None)
     print(f"[{model}] unmanaged peak ...", flush=True)
     unbudgeted = spawn_worker(WORKER_COMMAND, RunSpec(mode="unbudgeted", **base), timeout=args.timeout)
     if "error" in unbudgeted:
@@ -182,13 +186,13 @@ def bench_model(model: str, args) -> List[Dict[str, Any]]:
 
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     """The results table, as text columns or as a markdown table."""
-    header = ["model", "budget %", "policy", "peak MiB", "step ratio", "swap out MiB", "prefetch hit",
+    header = ["model", "budget %", "policy", "peak MiB", "step ratio", "swap out/in MiB", "prefetch hit",
               "stall s", "identical"]
     body = []
     for row in rows:
         if "error" in row:
             fraction = "-" if row.get("fraction") is None else f"{row['fraction']:.0%}"
-            body.append([row["model"], fraction, row.get("policy", "-"), "FAILED: " + row["error"][:120]]
+            body.append([row["model"], fraction, row.get("policy", "-"), "FAILED (see below)"]
                         + [""] * (len(header) - 4))
             continue
         if row["policy"] == "plain":
@@ -199,24 +203,27 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
         hit = "-" if row["hit_rate"] is None else f"{row['hit_rate']:.0%}"
         peak = f"{row['peak'] / MiB:.1f}" + ("" if row["peak"] <= row["budget"] else " > budget!")
         body.append([row["model"], f"{row['fraction']:.0%}", row["policy"], peak, f"{row['ratio']:.2f}x",
-                     f"{row['swap_out'] / MiB:.1f}", hit, f"{row['stall_s']:.3f}",
+                     f"{row['swap_out'] / MiB:.0f}/{row['swap_in'] / MiB:.0f}", hit, f"{row['stall_s']:.3f}",
                      "yes" if row["identical"] else "NO"])
+    errors = [f"{row['model']} {row.get('fraction') or 0:.0%} {row.get('policy', '')}: {row['error']}"
+              for row in rows if "error" in row]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
-        return "\n".join(lines)
+        return "\n".join(lines + [""] + [f"- FAILED {error}" for error in errors])
     widths = [max(len(header[i]), *(len(cells[i]) for cells in body)) for i in range(len(header))]
     lines = ["  ".join(h.rjust(w) if i > 2 else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
     lines.append("-" * len(lines[0]))
     for cells in body:
         lines.append("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
-    return "\n".join(lines)
+    return "\n".join(lines + [f"FAILED {error}" for error in errors])
 
 
-def machine_line(device: str) -> str:
+def machine_line(device: str, threads: int) -> str:
     """One line naming the machine and versions the numbers come from."""
-    return (f"{os.cpu_count()}-core {platform.machine()} CPU, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}, device {device}")
+    return (f"{os.cpu_count()}-core {platform.machine()} CPU, torch {torch.__version__}, "
+            f"{threads or torch.get_num_threads()} torch thread(s) per run, Python {platform.python_version()}, "
+            f"device {device}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -231,10 +238,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated subset of "
                         + ",".join(WORKLOADS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per run (default on cpu: 1; 0: torch's default)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
     args = parser.parse_args(argv)
     args.steps = args.steps or (5 if args.quick else 10)
+    if args.threads is None:
+        # With torch's default of one thread per core, a step on a CPU shared
+        # with other work waits for whichever thread is descheduled (20 ms
+        # steps measured at ~1 s at random): one thread keeps ratios meaningful.
+        args.threads = 1 if args.device == "cpu" else 0
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -249,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.extend(bench_model(model, args))
     elapsed = time.perf_counter() - started
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_swap.py", *argv])
-    print(f"\n{command}\n{machine_line(args.device)}; {args.steps} steps per run, median after "
+    print(f"\n{command}\n{machine_line(args.device, args.threads)}; {args.steps} steps per run, median after "
           f"{args.warmup} warm-up; {elapsed:.0f} s in all")
     print(format_rows(rows, markdown=False))
     for row in rows:
@@ -258,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"plain runs identical to each other: {row['plain_runs_identical']}")
     if args.markdown:
         with open(args.markdown, "a") as out:
-            out.write(f"\n```\n{command}\n```\n\n{machine_line(args.device)}; {args.steps} steps per run, "
+            out.write(f"\n```\n{command}\n```\n\n{machine_line(args.device, args.threads)}; {args.steps} steps per run, "
                       f"median step time after {args.warmup} warm-up steps; {elapsed:.0f} s in all.\n\n")
             out.write(format_rows(rows, markdown=True) + "\n")
             for row in rows:

@@ -183,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     threads=threads, timeout=args.timeout)
     size = "quick" if args.quick else "default"
     print(f"\nmembudget demo: {args.steps} steps per run on {device} ({size} models, "
-          f"{threads or 'default'} torch threads), "
+          f"torch threads: {threads or 'default'}), "
           f"budget {args.fraction:.0%} of the unmanaged peak, {time.perf_counter() - started:.0f} s in all")
     print("step ratio: median step time under the budget / plain PyTorch, first step left out")
     print(format_table(rows))
