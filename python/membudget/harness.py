@@ -259,5 +259,5 @@ def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) 
             result = json.loads(line[len(_RESULT_PREFIX):])
             result["wall_s"] = wall
             return result
-    tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)[-400:], "spec": dataclasses.asdict(spec)}
+    last_line = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+    return {"error": f"exit {proc.returncode}: {last_line[:600]}", "spec": dataclasses.asdict(spec)}
