@@ -52,6 +52,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="budget as a fraction of the unmanaged peak (default 0.5)")
     parser.add_argument("--models", default=",".join(WORKLOADS),
                         help=f"comma-separated models to run (default {','.join(WORKLOADS)})")
+    parser.add_argument("--prefetch-bytes", default=None, metavar="SIZE",
+                        help="prefetch window for the budgeted runs (bytes or 4MiB-style; default: membudget's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads per run (default on cpu: 1, see below; on cuda: torch's)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run (default 300)")
@@ -63,6 +65,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         args.steps = 3 if args.quick else 4
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the first step is left out of the step time)")
+    if args.prefetch_bytes is not None:
+        from .config import ConfigError, parse_value
+
+        try:
+            args.prefetch_bytes = parse_value("MEMBUDGET_PREFETCH_BYTES", args.prefetch_bytes, label="--prefetch-bytes")
+        except ConfigError as error:
+            parser.error(str(error))
     args.models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = [name for name in args.models if name not in WORKLOADS]
     if unknown or not args.models:
@@ -86,7 +95,8 @@ def _run(spec: RunSpec, label: str, timeout: float) -> Dict[str, Any]:
 
 
 def run_demo(models: Sequence[str], *, steps: int, quick: bool, device: str, fraction: float,
-             threads: Optional[int] = None, timeout: float = 300.0) -> List[Dict[str, Any]]:
+             threads: Optional[int] = None, prefetch_bytes: Optional[int] = None,
+             timeout: float = 300.0) -> List[Dict[str, Any]]:
     """Run the three configurations for each model and return one summary row
     per model (a dict; see :func:`format_table` for the columns). A row's
     ``ok`` is False when a run failed, a membudget run is not bit-identical to
@@ -105,7 +115,7 @@ def run_demo(models: Sequence[str], *, steps: int, quick: bool, device: str, fra
             continue
         peak = int(unbudgeted["stats"]["reserved_bytes.all.peak"])
         budget = int(peak * fraction)
-        managed = _run(RunSpec(mode="managed", budget=budget, **base),
+        managed = _run(RunSpec(mode="managed", budget=budget, prefetch_bytes=prefetch_bytes, **base),
                        f"membudget, budget {budget / MiB:.1f} MiB ({fraction:.0%})", timeout)
         row.update(unmanaged_peak=peak, budget=budget, unbudgeted_identical=identical(plain, unbudgeted),
                    plain_step_s=plain["median_step_s"])
@@ -180,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     started = time.perf_counter()
     rows = run_demo(args.models, steps=args.steps, quick=args.quick, device=device, fraction=args.fraction,
-                    threads=threads, timeout=args.timeout)
+                    threads=threads, prefetch_bytes=args.prefetch_bytes, timeout=args.timeout)
     size = "quick" if args.quick else "default"
     print(f"\nmembudget demo: {args.steps} steps per run on {device} ({size} models, "
           f"torch threads: {threads or 'default'}), "
