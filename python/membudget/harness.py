@@ -1,0 +1,263 @@
+"""Seeded training runs measured one per subprocess: plain, unbudgeted, managed.
+
+Where this sits in the flow: nothing in the runtime uses this module. The demo
+(:mod:`membudget.demo`) and the benchmarks (``bench/``) compare the same seeded
+training run three ways:
+
+* ``plain``: nothing of membudget installed; PyTorch's own allocator. The
+  reference losses, parameters and step time.
+* ``unbudgeted``: membudget installed with no budget, which only counts; its
+  peak reserved bytes are *the unmanaged peak* that budgets are fractions of.
+* ``managed``: membudget installed under a budget in bytes.
+
+The allocator is process-wide (and on CUDA cannot be swapped back within a
+process), so each run is a fresh ``python`` process: :func:`spawn_worker` starts
+one with a :class:`RunSpec` as JSON and reads back one JSON result line, which
+:func:`run_worker` (called by the worker's ``--worker`` entry point) prints.
+A result holds the exact loss floats (JSON keeps a float's every bit) and a
+SHA-256 digest of every parameter's bytes, so "identical" is decided without
+shipping tensors between processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = [
+    "RunSpec",
+    "MODES",
+    "DEFAULT_MIN_TENSOR_BYTES",
+    "run_worker",
+    "worker_main",
+    "spawn_worker",
+    "parameter_digest",
+    "median_step_seconds",
+    "identical",
+]
+
+MODES = ("plain", "unbudgeted", "managed")
+
+#: The demo and benches manage saved tensors from 16 KiB up (the library's
+#: default is 1 MiB), so that the small CPU-sized models have most of their
+#: activations managed, as a model 100x larger would with the default.
+DEFAULT_MIN_TENSOR_BYTES = 16 * 1024
+
+_RESULT_PREFIX = "MEMBUDGET_RESULT "
+
+# memory_stats() keys copied into a result.
+_STAT_KEYS = (
+    "reserved_bytes.all.peak",
+    "allocated_bytes.all.peak",
+    "budget_bytes",
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "swap_out_count",
+    "swap_in_count",
+    "evicted_bytes",
+    "prefetch_hits",
+    "prefetch_misses",
+    "stall_seconds",
+    "num_alloc_retries",
+    "num_ooms",
+)
+
+
+@dataclass
+class RunSpec:
+    """What one worker process runs: ``model`` names a workload the worker's
+    entry point can build (``size`` picks its variant), ``mode`` is one of
+    :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
+    ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
+    (``None``: the library's default); ``threads`` sets torch's intra-op
+    threads (``None``: torch's default)."""
+
+    model: str
+    mode: str
+    steps: int = 4
+    size: str = "default"
+    device: str = "cpu"
+    budget: Optional[int] = None
+    policy: Optional[str] = None
+    min_tensor_bytes: Optional[int] = DEFAULT_MIN_TENSOR_BYTES
+    prefetch_bytes: Optional[int] = None
+    seed: int = 0
+    threads: Optional[int] = None
+
+    def to_json(self) -> str:
+        """The spec as one line of JSON, as :meth:`from_json` reads it."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        """Parse :meth:`to_json`'s output; unknown keys are an error."""
+        spec = cls(**json.loads(text))
+        if spec.mode not in MODES:
+            raise ValueError(f"RunSpec.mode {spec.mode!r}: expected one of {', '.join(MODES)}")
+        if spec.mode == "managed" and not spec.budget:
+            raise ValueError("RunSpec: a managed run needs a budget in bytes")
+        return spec
+
+
+def parameter_digest(model) -> str:
+    """SHA-256 over every parameter's name, dtype, shape and raw bytes, in
+    ``named_parameters()`` order: equal digests mean bit-identical parameters."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        value = parameter.detach().cpu().contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def median_step_seconds(step_seconds: Sequence[float]) -> Optional[float]:
+    """The median step time, leaving out the first step (allocator warm-up,
+    one-time kernel selection, and membudget's first pass that records the
+    unpack order); ``None`` with no steps."""
+    timed = list(step_seconds[1:] if len(step_seconds) > 1 else step_seconds)
+    if not timed:
+        return None
+    timed.sort()
+    middle = len(timed) // 2
+    return timed[middle] if len(timed) % 2 else (timed[middle - 1] + timed[middle]) / 2
+
+
+def identical(reference: Dict[str, Any], other: Dict[str, Any]) -> bool:
+    """True when two results have the same losses, float for float, and the
+    same parameter digest."""
+    return (
+        "error" not in reference
+        and "error" not in other
+        and reference["losses"] == other["losses"]
+        and reference["params_sha256"] == other["params_sha256"]
+    )
+
+
+def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
+    """Run ``spec`` in this (fresh) process on ``workload`` (a
+    :class:`membudget.models.Workload` or anything with ``build``, ``batch`` and
+    ``loss``) and return the result dict: losses, parameter digest, per-step
+    seconds, their median, and for membudget runs the counters of
+    :func:`membudget.memory_stats` read right after the last step.
+
+    membudget is installed (for ``unbudgeted``/``managed``) before the model is
+    built, its cached segments released and its peaks and counters reset, so
+    the peak is this training run's alone."""
+    import torch
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        # Bit-identical runs need deterministic kernels (cuDNN, index_add, ...).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    membudget = None
+    if spec.mode != "plain":
+        import membudget
+        from membudget._native import load_extension
+
+        membudget.install(
+            budget=spec.budget if spec.mode == "managed" else None,
+            policy=spec.policy,
+            min_tensor_bytes=spec.min_tensor_bytes,
+            prefetch_bytes=spec.prefetch_bytes,
+            device=device,
+        )
+        gc.collect()
+        load_extension().release_cached()
+        membudget.reset_counters()
+        membudget.reset_peak_stats()
+    elif device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    torch.manual_seed(spec.seed)
+    model = workload.build().to(device)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses: List[float] = []
+    step_seconds: List[float] = []
+    for _ in range(spec.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        data = workload.batch(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.loss(model, data)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())  # waits for the device
+        step_seconds.append(time.perf_counter() - start)
+        del loss, data
+
+    result: Dict[str, Any] = {"spec": dataclasses.asdict(spec), "losses": losses, "step_seconds": step_seconds,
+                              "median_step_s": median_step_seconds(step_seconds),
+                              "threads": torch.get_num_threads()}
+    if membudget is not None:
+        stats = membudget.memory_stats()
+        result["stats"] = {key: stats.get(key, 0) for key in _STAT_KEYS}
+    elif device.type == "cuda":
+        result["stats"] = {"reserved_bytes.all.peak": torch.cuda.max_memory_reserved(device)}
+    else:
+        result["stats"] = {}
+    result["params_sha256"] = parameter_digest(model)
+    return result
+
+
+def worker_main(argv: Sequence[str], workloads) -> int:
+    """The ``--worker SPEC_JSON`` entry point: build ``workloads[model][size]()``
+    (a mapping like :data:`membudget.models.WORKLOADS`), run the spec and print
+    the result as one prefixed JSON line on stdout. Returns the exit code."""
+    if len(argv) != 2 or argv[0] != "--worker":
+        print("usage: --worker SPEC_JSON", file=sys.stderr)
+        return 2
+    spec = RunSpec.from_json(argv[1])
+    sizes = workloads.get(spec.model)
+    if sizes is None or spec.size not in sizes:
+        print(f"worker: unknown model {spec.model!r} (size {spec.size!r})", file=sys.stderr)
+        return 2
+    result = run_worker(spec, sizes[spec.size]())
+    sys.stdout.write(_RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) -> Dict[str, Any]:
+    """Run ``command + ["--worker", spec_json]`` (``command`` is for instance
+    ``[sys.executable, "-m", "membudget.demo"]``) in a fresh process, with this
+    membudget importable, and return its result dict, or ``{"error": ...}``
+    if it failed, timed out or printed no result. ``wall_s`` is added: the
+    process's wall time, start-up included."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), env.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([*command, "--worker", spec.to_json()], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "spec": dataclasses.asdict(spec)}
+    wall = time.perf_counter() - start
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULT_PREFIX) and proc.returncode == 0:
+            result = json.loads(line[len(_RESULT_PREFIX):])
+            result["wall_s"] = wall
+            return result
+    last_line = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+    return {"error": f"exit {proc.returncode}: {last_line[:600]}", "spec": dataclasses.asdict(spec)}
