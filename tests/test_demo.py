@@ -17,13 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_demo(*extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
-    # The prefetch window is set below the quick models' budgets (4 and 9 MiB):
-    # with the default window (256 MiB, larger than the whole budget) a
-    # budgeted run intermittently fails with an out-of-memory error, as
-    # prefetched tensors fill the budget (about 1 run in 8 here; reported,
-    # runtime owners). Drop the flag once the runtime caps its window.
+    # Default settings: the runtime caps the prefetch window at a quarter of
+    # the budget and lets in-flight prefetches finish before declaring OOM.
     return subprocess.run([sys.executable, "-m", "membudget", "demo", "--quick", "--device", "cpu", "--json",
-                           "--prefetch-bytes", "1MiB", *extra], env=env, capture_output=True, text=True,
+                           *extra], env=env, capture_output=True, text=True,
                           timeout=600)
 
 
