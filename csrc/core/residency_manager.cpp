@@ -79,10 +79,7 @@ void ResidencyManager::unregister_entry(ResidencyEntry* entry) {
     entry->copy_event_->wait();
     finish_copy(entry);
   }
-  if (entry->prefetched_) {
-    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
-    entry->prefetched_ = false;
-  }
+  clear_prefetch(entry);
   if (entry->host_copy_ != nullptr) {
     host_tier_.deallocate(entry->host_copy_);
     entry->host_copy_ = nullptr;
@@ -181,6 +178,19 @@ bool ResidencyManager::ensure_host_slot(ResidencyEntry* entry) {
   return false;
 }
 
+bool ResidencyManager::clear_prefetch(ResidencyEntry* entry) {
+  if (!entry->prefetched_) return false;
+  entry->prefetched_ = false;
+  prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
+  return true;
+}
+
+EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream) {
+  counters_.swap_out_bytes += entry->bytes();
+  ++counters_.swap_out_count;
+  return backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
+}
+
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
   if (entry->state_ == Residency::swapping_out) {
     entry->copy_event_->wait();
@@ -188,10 +198,8 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   }
   if (!entry->host_valid_) {
     if (!ensure_host_slot(entry)) return 0;
-    backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream)->wait();
+    copy_out(entry, stream)->wait();
     entry->host_valid_ = true;
-    counters_.swap_out_bytes += entry->bytes();
-    ++counters_.swap_out_count;
   }
   if (config_.log_decisions) {
     EvictionCandidate c = make_candidate(entry);
@@ -201,10 +209,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   }
   entry->drop_device_copy();
   entry->state_ = Residency::host;
-  if (entry->prefetched_) {  // brought in ahead of use, then evicted before it: wasted
-    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
-    entry->prefetched_ = false;
-  }
+  clear_prefetch(entry);  // brought in ahead of use, then evicted before it: wasted
   counters_.evicted_bytes += entry->bytes();
   ++counters_.eviction_count;
   return entry->bytes();
@@ -276,11 +281,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   entry->last_access_ = ++clock_;
   unpacked_since_pack_ = true;
   if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
-  bool was_prefetched = entry->prefetched_;
-  if (was_prefetched) {
-    entry->prefetched_ = false;
-    prefetch_outstanding_bytes_ -= std::min(prefetch_outstanding_bytes_, entry->bytes());
-  }
+  const bool was_prefetched = clear_prefetch(entry);
   switch (entry->state_) {
     case Residency::resident:
     case Residency::swapping_out:
@@ -371,11 +372,9 @@ void ResidencyManager::maybe_start_background_swaps() {
     ResidencyEntry* entry = c.entry;
     if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
     if (!ensure_host_slot(entry)) break;
-    entry->copy_event_ = backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), nullptr);
+    entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;
     in_flight_.push_back(entry);
-    counters_.swap_out_bytes += entry->bytes();
-    ++counters_.swap_out_count;
     ++counters_.background_swap_count;
     releasable += entry->bytes();
   }

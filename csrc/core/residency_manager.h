@@ -102,6 +102,11 @@ class ResidencyManager final : public Evictor {
   std::vector<EvictionCandidate> candidates(int64_t min_next_use);
   EvictionCandidate make_candidate(ResidencyEntry* entry);
   bool ensure_host_slot(ResidencyEntry* entry);
+  // Drops the entry's prefetch mark and its share of the window; returns
+  // whether it was marked.
+  bool clear_prefetch(ResidencyEntry* entry);
+  // Queues the device->host copy into the entry's host slot and counts it.
+  EventPtr copy_out(ResidencyEntry* entry, Stream stream);
   size_t release_device_copy(ResidencyEntry* entry, Stream stream);
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);

@@ -1,6 +1,5 @@
 #include "torch/saved_activation.h"
 
-#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -11,8 +10,6 @@ namespace py = pybind11;
 
 namespace membudget {
 namespace {
-
-std::atomic<size_t> g_live_residencies{0};
 
 // Storage -> residency, so views of one storage packed separately share an
 // entry. Weak: the entry dies with its last SavedActivation.
@@ -29,7 +26,7 @@ void registry_erase(const c10::StorageImpl* impl, const StorageResidency* owner)
 
 void delete_managed_storage_memory(void* ptr) { free_device_for_torch(ptr); }
 
-bool is_managed_candidate(const at::Tensor& t, const Runtime& runtime) {
+bool is_managed_candidate(const at::Tensor& t, Runtime& runtime) {
   if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || !t.has_storage()) return false;
   if (t.key_set().has(c10::DispatchKey::Python) || t.is_conj() || t.is_neg()) return false;
   // Parameters (and other leaves that require grad) stay where they are.
@@ -39,22 +36,19 @@ bool is_managed_candidate(const at::Tensor& t, const Runtime& runtime) {
   const void* data = storage.data_ptr().get();
   // Only memory from our own allocator is worth releasing (a storage made
   // before install, from numpy, or a copy-on-write one is left alone).
-  return data != nullptr && const_cast<Runtime&>(runtime).device_allocator().owns(data) &&
-         const_cast<Runtime&>(runtime).device_allocator().allocation_size(data) >= storage.nbytes();
+  // allocation_size is 0 for pointers that are not a live block of ours.
+  return data != nullptr && runtime.device_allocator().allocation_size(data) >= storage.nbytes();
 }
 
 }  // namespace
 
 StorageResidency::StorageResidency(c10::Storage storage)
-    : ResidencyEntry(storage.nbytes()), storage_(std::move(storage)), device_(storage_.device()) {
-  ++g_live_residencies;
-}
+    : ResidencyEntry(storage.nbytes()), storage_(std::move(storage)), device_(storage_.device()) {}
 
 StorageResidency::~StorageResidency() {
   if (Runtime* runtime = Runtime::get()) runtime->manager().unregister_entry(this);
   if (storage_) registry_erase(storage_.unsafeGetStorageImpl(), this);
   storage_ = c10::Storage();
-  --g_live_residencies;
 }
 
 bool StorageResidency::externally_referenced() const {
@@ -137,7 +131,10 @@ py::object unpack_saved_tensor(const py::object& packed) {
   return packed;
 }
 
-size_t live_storage_residencies() { return g_live_residencies.load(); }
+size_t live_storage_residencies() {
+  Runtime* runtime = Runtime::get();
+  return runtime != nullptr ? runtime->manager().stats().live_entries : 0;
+}
 
 void bind_saved_activation(py::module_& m) {
   py::class_<SavedActivation>(m, "SavedActivation",
