@@ -1,0 +1,253 @@
+"""Per-op cost model: FLOPs, bytes moved, and a roofline time on a device model.
+
+Where this sits in the flow: three consumers ask "how long does this op take?"
+without running it on the device in question:
+
+* the runtime's recompute decisions (:mod:`membudget.lineage`) when forward did
+  not measure an op (the measured duration wins when there is one);
+* the simulator (:mod:`membudget.simulate`), which replays traces on modelled
+  GPUs far larger than this machine;
+* the Echo planner, which needs a layer-specific estimate (a pointwise op is
+  memory-bound and nearly free to recompute, a matmul is not) rather than one
+  constant per op.
+
+An op's modelled time is ``launch_s + max(flops / flop_rate(dtype), bytes /
+memory_bandwidth)``: the roofline of its arithmetic and its memory traffic
+plus a fixed launch overhead. FLOPs follow ``torch.utils.flop_counter``'s
+formulas (matmul, convolution, attention); every other op counts one FLOP per
+output element, which only matters for ops that are memory-bound anyway.
+
+Device models are data (:data:`DEVICES`); ``cpu-host`` is calibrated on first
+use by a short micro-benchmark of this machine (matmul rate and copy bandwidth).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "DeviceModel",
+    "DEVICES",
+    "device_model",
+    "op_category",
+    "op_flops",
+    "op_bytes",
+    "roofline_seconds",
+    "tensors_in",
+]
+
+GB = 10**9
+TFLOP = 10**12
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A device as the cost model sees it. Rates are sustained, not peak-sheet,
+    where a measurement exists. ``flops_per_s`` maps a dtype class
+    (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``, ``"int"``) to FLOP/s;
+    ``link_bytes_per_s`` is one direction of the host link (swap copies)."""
+
+    name: str
+    memory_bytes: int
+    flops_per_s: Mapping[str, float]
+    memory_bytes_per_s: float
+    link_bytes_per_s: float
+    launch_s: float
+    note: str = ""
+
+    def flop_rate(self, dtype: Optional[torch.dtype]) -> float:
+        """FLOP/s for arithmetic in ``dtype`` (fp32 when unknown)."""
+        key = _dtype_class(dtype)
+        return float(self.flops_per_s.get(key, self.flops_per_s["fp32"]))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data form (for traces, JSON output and reports)."""
+        data = dataclasses.asdict(self)
+        data["flops_per_s"] = dict(self.flops_per_s)
+        return data
+
+
+def _dtype_class(dtype: Optional[torch.dtype]) -> str:
+    if dtype in (torch.bfloat16,):
+        return "bf16"
+    if dtype in (torch.float16,):
+        return "fp16"
+    if dtype in (torch.float64,):
+        return "fp64"
+    if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
+        return "int"
+    return "fp32"
+
+
+# Published dense rates; H200 bf16 and HBM as measured on one (issue 4), the
+# fp32 rates are TF32-free CUDA-core rates since PyTorch keeps TF32 off for
+# matmul by default.
+_STATIC_DEVICES: Dict[str, DeviceModel] = {
+    "h200": DeviceModel(
+        name="h200", memory_bytes=141 * GB,
+        flops_per_s={"bf16": 790 * TFLOP, "fp16": 790 * TFLOP, "fp32": 67 * TFLOP, "fp64": 34 * TFLOP,
+                     "int": 67 * TFLOP},
+        memory_bytes_per_s=4.3e12, link_bytes_per_s=55 * GB, launch_s=5e-6,
+        note="NVIDIA H200 SXM: bf16 and HBM measured, host link PCIe 5 (55 GB/s per direction)"),
+    "a100-40gb": DeviceModel(
+        name="a100-40gb", memory_bytes=40 * (1 << 30),
+        flops_per_s={"bf16": 312 * TFLOP, "fp16": 312 * TFLOP, "fp32": 19.5 * TFLOP, "fp64": 9.7 * TFLOP,
+                     "int": 19.5 * TFLOP},
+        memory_bytes_per_s=1.555e12, link_bytes_per_s=25 * GB, launch_s=5e-6,
+        note="NVIDIA A100 40GB SXM: data-sheet dense rates, PCIe 4 host link"),
+    "rtx4090": DeviceModel(
+        name="rtx4090", memory_bytes=24 * (1 << 30),
+        flops_per_s={"bf16": 165 * TFLOP, "fp16": 165 * TFLOP, "fp32": 82.6 * TFLOP, "fp64": 1.3 * TFLOP,
+                     "int": 82.6 * TFLOP},
+        memory_bytes_per_s=1.008e12, link_bytes_per_s=25 * GB, launch_s=5e-6,
+        note="NVIDIA RTX 4090: data-sheet dense rates (fp32 accumulate), PCIe 4 host link"),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _calibrated_cpu_host() -> DeviceModel:
+    """Measure this machine once: fp32 matmul rate, copy bandwidth (which is
+    also the 'link' of the host backend, whose swaps are memcpys) and the
+    per-op dispatch overhead. Takes well under a second."""
+    threads = torch.get_num_threads()
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    reps = 8
+    start = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    flop_rate = 2 * n**3 * reps / (time.perf_counter() - start)
+
+    src = torch.empty(32 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    # A copy reads and writes every byte; the link figure is bytes moved.
+    copy_rate = 4 * src.numel() / (time.perf_counter() - start)
+
+    tiny = torch.ones(4)
+    start = time.perf_counter()
+    for _ in range(200):
+        torch.add(tiny, tiny)
+    launch = (time.perf_counter() - start) / 200
+
+    from .config import physical_memory_bytes
+
+    return DeviceModel(
+        name="cpu-host", memory_bytes=int(physical_memory_bytes()),
+        flops_per_s={"fp32": flop_rate, "bf16": flop_rate / 4, "fp16": flop_rate / 4,
+                     "fp64": flop_rate / 2, "int": flop_rate / 2},
+        memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=copy_rate, launch_s=launch,
+        note=f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch)")
+
+
+DEVICES: Tuple[str, ...] = ("cpu-host", *_STATIC_DEVICES)
+
+
+def device_model(name: str) -> DeviceModel:
+    """The device model called ``name`` (one of :data:`DEVICES`); ``cpu-host``
+    is measured on first use. Raises ``ValueError`` listing the known names."""
+    if name == "cpu-host":
+        return _calibrated_cpu_host()
+    if name not in _STATIC_DEVICES:
+        raise ValueError(f"unknown device model {name!r}: known are {', '.join(DEVICES)}")
+    return _STATIC_DEVICES[name]
+
+
+# Echo's point: recompute cost is layer-specific. These categories are what
+# the planner and the director reason about; unknown ops are "other".
+_CATEGORY_BY_NAME = {
+    "matmul": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "addbmm", "einsum"),
+    "conv": ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "mkldnn_convolution",
+             "cudnn_convolution", "conv_transpose2d"),
+    "attention": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
+                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                  "_efficient_attention_forward", "_softmax", "softmax", "_log_softmax"),
+    "norm": ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+             "_native_batch_norm_legit_no_training", "native_group_norm", "_fused_rms_norm",
+             "layer_norm", "batch_norm", "group_norm", "rms_norm"),
+    "rnn": ("mkldnn_rnn_layer", "_cudnn_rnn", "lstm", "gru", "_thnn_fused_lstm_cell"),
+    "view": ("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice",
+             "select", "unsqueeze", "squeeze", "as_strided", "alias", "split", "split_with_sizes",
+             "chunk", "unbind", "detach", "_reshape_alias", "view_as", "narrow", "diagonal"),
+    "reduction": ("sum", "mean", "amax", "max", "min", "var_mean", "var", "std", "norm",
+                  "nll_loss_forward", "cross_entropy_loss"),
+}
+_CATEGORY = {op: category for category, ops in _CATEGORY_BY_NAME.items() for op in ops}
+
+
+def op_category(func: Any) -> str:
+    """Coarse class of an aten op (overload or packet): ``matmul``, ``conv``,
+    ``attention``, ``norm``, ``rnn``, ``view``, ``reduction``, or ``pointwise``
+    for the rest (elementwise ops, copies, embedding lookups)."""
+    name = _op_base_name(func)
+    return _CATEGORY.get(name, "pointwise")
+
+
+def _op_base_name(func: Any) -> str:
+    packet = getattr(func, "overloadpacket", func)
+    name = getattr(packet, "__name__", str(packet))
+    return name.split(".")[-1]
+
+
+def tensors_in(tree: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a nested structure of args/kwargs/outputs."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from tensors_in(item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            yield from tensors_in(item)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def op_bytes(args: Any, kwargs: Any, out: Any) -> Tuple[int, int]:
+    """(bytes read, bytes written): the sizes of the tensor inputs and outputs.
+    Works on fake and meta tensors (shapes only)."""
+    read = sum(_tensor_bytes(t) for t in tensors_in((args, kwargs)))
+    written = sum(_tensor_bytes(t) for t in tensors_in(out))
+    return read, written
+
+
+def op_flops(func: Any, args: Any, kwargs: Any, out: Any) -> int:
+    """FLOPs of one op call by ``torch.utils.flop_counter``'s formulas (matmul,
+    convolution, attention and their backward); one FLOP per output element for
+    ops it has no formula for (views: zero)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(func, "overloadpacket", func)
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        try:
+            return int(formula(*args, **(kwargs or {}), out_val=out))
+        except Exception:  # noqa: BLE001 - an odd signature falls back to the element count
+            pass
+    if op_category(func) == "view":
+        return 0
+    return sum(t.numel() for t in tensors_in(out))
+
+
+def roofline_seconds(flops: int, bytes_moved: int, device: DeviceModel,
+                     dtype: Optional[torch.dtype] = None, category: str = "pointwise") -> float:
+    """Modelled duration of one op on ``device``: launch overhead plus the
+    larger of its compute time and its memory time. Views cost nothing (they
+    launch no kernel)."""
+    if category == "view":
+        return 0.0
+    compute = flops / device.flop_rate(dtype)
+    memory = bytes_moved / device.memory_bytes_per_s
+    return device.launch_s + max(compute, memory)
