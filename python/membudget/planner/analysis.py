@@ -87,7 +87,9 @@ class MemoryModel:
         for op in graph.ops[: graph.num_forward]:
             for sid in op.inputs:
                 self.readers.setdefault(sid, []).append(op.index)
-        self._base = self._memory_of(self._intervals(self.start.keys(), frozenset(), {}))
+        self._base = self._memory_of(self._intervals(self.start.keys(), frozenset(), {})
+                                     + [(2 * op.index + 1, 2 * op.index + 1, op.workspace)
+                                        for op in graph.ops if op.workspace])
 
     # -- recompute slots -------------------------------------------------
     def own_slot(self, op_index: int) -> Optional[int]:
@@ -163,7 +165,8 @@ class MemoryModel:
             touched = self.affected(chosen)
             slots = self.recompute_slots(chosen)
             memory -= self._memory_of(self._intervals(touched, frozenset(), {}))
-            memory += self._memory_of(self._intervals(touched, chosen, slots))
+            memory += self._memory_of(self._intervals(touched, chosen, slots)
+                                      + [(slots[o], slots[o], self.graph.ops[o].workspace) for o in chosen])
         overhead = sum(self.graph.ops[o].cost_s for o in chosen)
         return Profile(memory + self.fixed, chosen, overhead)
 

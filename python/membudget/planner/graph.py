@@ -44,6 +44,7 @@ class PlanOp:
     outputs: List[int] = field(default_factory=list)
     recomputable: bool = False
     forward_index: Optional[int] = None
+    workspace: int = 0  # transient bytes the op allocates internally while it runs
     layer: str = ""
     key: Any = None  # FX node name or trace op index
 
@@ -137,6 +138,19 @@ def _layer_of(node: torch.fx.Node) -> str:
     return ""
 
 
+def workspace_bytes(category: str, bytes_read: int, bytes_written: int) -> int:
+    """Transient memory an op allocates inside its kernel, which no graph
+    shows: oneDNN convolutions reorder their operands into blocked layouts
+    (a copy of what they read and write), fused attention and batch-norm
+    backward keep buffers of about their output's size. A coarse model, calibrated on
+    this project's CPU measurements (docs/planner.md); zero for other ops."""
+    if category == "conv":
+        return bytes_read + bytes_written
+    if category in ("attention", "norm"):
+        return bytes_written
+    return 0
+
+
 def _roofline(target: Any, args: Any, kwargs: Any, out: Any, device: costs.DeviceModel) -> tuple:
     category = costs.op_category(target)
     try:
@@ -145,7 +159,8 @@ def _roofline(target: Any, args: Any, kwargs: Any, out: Any, device: costs.Devic
         flops = sum(t.numel() for t in costs.tensors_in(out))
     read, written = costs.op_bytes(args, kwargs, out)
     dtype = next((t.dtype for t in costs.tensors_in(out)), None)
-    return category, costs.roofline_seconds(flops, read + written, device, dtype, category)
+    return category, costs.roofline_seconds(flops, read + written, device, dtype, category), \
+        workspace_bytes(category, read, written)
 
 
 def _forward_nodes(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
@@ -214,9 +229,10 @@ def from_joint_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
                 continue
             args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
-            category, cost = _roofline(target, args, kwargs, val, device)
+            category, cost, workspace = _roofline(target, args, kwargs, val, device)
             index = len(ops)
             op = PlanOp(index=index, name=str(target), phase=phase, category=category, cost_s=cost,
+                        workspace=workspace,
                         inputs=inputs, layer=_layer_of(node), key=node.name,
                         forward_index=index if phase == "forward" else None)
             op.recomputable = (phase == "forward" and not _is_random_target(target)
@@ -301,7 +317,8 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
             cost = costs.roofline_seconds(int(top.flops), int(top.bytes_read) + int(top.bytes_written), device,
                                           None, category)
         op = PlanOp(index=i, name=top.name, phase=top.phase, category=category, cost_s=cost,
-                    forward_index=i if top.phase == "forward" else None, key=top.index)
+                    forward_index=i if top.phase == "forward" else None, key=top.index,
+                    workspace=workspace_bytes(category, int(top.bytes_read), int(top.bytes_written)))
         op.inputs = sorted({storage_of(t) for t in top.inputs if t in tensors})
         if category != "view":
             op.outputs = [storage_of(t) for t in top.outputs if t in tensors

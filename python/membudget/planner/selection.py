@@ -144,7 +144,7 @@ def milp(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = 
     var_of = {o: i for i, o in enumerate(cands)}
     touched = sorted(model.affected(cands))
     own = {o: model.own_slot(o) for o in cands}
-    # Memory of the untouched storages per slot (constant).
+    # Memory of the untouched storages per slot (constant, fixed bytes and workspaces included).
     base = model.profile([]).memory - model._memory_of(model._intervals(touched, frozenset(), {}))
     ops = model.graph.ops
     # Per touched storage: liveness requirements as (slot_lo, slot_hi, coefficients, constant):
@@ -207,7 +207,7 @@ def milp(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = 
         nbytes = float(model.graph.storages[sid].bytes)
         for slot in range(lo, hi + 1):
             A_mem[slot, n_r + j] = nbytes
-    mem_ub = (budget - model.fixed - base).astype(float)
+    mem_ub = (budget - base).astype(float)  # base includes the fixed bytes
     integrality = np.concatenate([np.ones(n_r), np.zeros(n_l)])
     bounds = Bounds(np.zeros(n_r + n_l), np.ones(n_r + n_l))
     cuts: List[List[int]] = []
