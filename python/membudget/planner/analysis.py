@@ -34,10 +34,12 @@ __all__ = ["MemoryModel", "Profile"]
 class Profile:
     """Memory (bytes) per slot for one recompute set, with its peak and where."""
 
-    def __init__(self, memory: np.ndarray, recompute: FrozenSet[int], overhead_s: float):
+    def __init__(self, memory: np.ndarray, recompute: FrozenSet[int], overhead_s: float,
+                 slots: Optional[Dict[int, int]] = None):
         self.memory = memory
         self.recompute = recompute
         self.overhead_s = overhead_s
+        self.slots = slots if slots is not None else {}
 
     @property
     def peak(self) -> int:
@@ -82,6 +84,7 @@ class MemoryModel:
             if s.alive_until is not None:
                 end = max(end, 2 * s.alive_until + 1)
             self.end[s.id] = self.num_slots - 1 if s.live_to_end else max(end, start)
+        self._own_slots: Dict[int, Optional[int]] = {}
         # Forward ops that read each storage (candidates for "must stay alive").
         self.readers: Dict[int, List[int]] = {}
         for op in graph.ops[: graph.num_forward]:
@@ -95,9 +98,12 @@ class MemoryModel:
     def own_slot(self, op_index: int) -> Optional[int]:
         """The slot where op ``op_index`` is recomputed when nothing else
         needs it earlier: just before the first backward use of an output."""
+        if op_index in self._own_slots:
+            return self._own_slots[op_index]
         firsts = [self.bw_first[s] for s in self.graph.ops[op_index].outputs
                   if s in self.bw_first and self.bw_first[s] is not None]
-        return min(firsts) if firsts else None
+        self._own_slots[op_index] = min(firsts) if firsts else None
+        return self._own_slots[op_index]
 
     def recompute_slots(self, recompute: Iterable[int]) -> Dict[int, int]:
         """Slot of each recomputed op: its own slot, or earlier when a later
@@ -167,8 +173,42 @@ class MemoryModel:
             memory -= self._memory_of(self._intervals(touched, frozenset(), {}))
             memory += self._memory_of(self._intervals(touched, chosen, slots)
                                       + [(slots[o], slots[o], self.graph.ops[o].workspace) for o in chosen])
+        else:
+            slots = {}
         overhead = sum(self.graph.ops[o].cost_s for o in chosen)
-        return Profile(memory + self.fixed, chosen, overhead)
+        return Profile(memory + self.fixed, chosen, overhead, slots)
+
+    def with_op(self, profile: Profile, op_index: int) -> Profile:
+        """``profile`` with op ``op_index`` recomputed as well, derived
+        incrementally: only the storages of the new op, and of the recomputed
+        ops it pulls earlier (their outputs now feed it), are re-derived."""
+        if op_index in profile.recompute:
+            return profile
+        chosen = profile.recompute | {op_index}
+        ops = self.graph.ops
+        slots = dict(profile.slots)
+        slot = self.own_slot(op_index)
+        for sid in ops[op_index].outputs:
+            for reader in self.readers.get(sid, ()):
+                if reader in chosen and reader != op_index:
+                    slot = slots[reader] if slot is None else min(slot, slots[reader])
+        slots[op_index] = slot if slot is not None else self.num_slots - 1
+        changed = {op_index}
+        stack = [op_index]
+        while stack:
+            o = stack.pop()
+            for sid in ops[o].inputs:
+                producer = self.graph.storages[sid].producer
+                if producer in chosen and producer != o and slots[producer] > slots[o]:
+                    slots[producer] = slots[o]
+                    changed.add(producer)
+                    stack.append(producer)
+        touched = self.affected(changed)
+        old = self._intervals(touched, profile.recompute, profile.slots) + [
+            (profile.slots[o], profile.slots[o], ops[o].workspace) for o in changed if o in profile.recompute]
+        new = self._intervals(touched, chosen, slots) + [(slots[o], slots[o], ops[o].workspace) for o in changed]
+        memory = profile.memory - self._memory_of(old) + self._memory_of(new)
+        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots)
 
     def stashed_bytes(self, recompute: Iterable[int] = ()) -> int:
         """Bytes live at the end of forward, fixed bytes excluded: what the

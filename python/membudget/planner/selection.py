@@ -63,6 +63,27 @@ def _candidates(model: MemoryModel) -> List[int]:
     return [op.index for op in model.graph.candidates()]
 
 
+def _relevant(model: MemoryModel, candidates: Sequence[int], memory: np.ndarray, threshold: float) -> List[int]:
+    """Candidates that can lower memory somewhere it exceeds ``threshold``:
+    dropping an op's outputs frees memory only between their last forward use
+    and their first backward use, so the others cannot help (yet)."""
+    over = memory > threshold
+    if not over.any():
+        return []
+    prefix = np.concatenate([[0], np.cumsum(over)])
+    useful = []
+    for o in candidates:
+        for sid in model.graph.ops[o].outputs:
+            lo = model.fw_end.get(sid)
+            hi = model.bw_first.get(sid)
+            if lo is None or hi is None:
+                continue
+            if prefix[hi] - prefix[lo + 1] > 0:
+                useful.append(o)
+                break
+    return useful
+
+
 def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None) -> List[int]:
     """Echo's greedy: benefit (memory above budget removed) per second of
     recompute, all remaining candidates re-evaluated each round, then pruned."""
@@ -72,8 +93,8 @@ def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] 
     while current.peak > budget and remaining:
         base_excess = current.excess(budget)
         best, best_score, best_profile = None, 0.0, None
-        for o in remaining:
-            trial = model.profile(chosen + [o])
+        for o in _relevant(model, remaining, current.memory, budget):
+            trial = model.with_op(current, o)
             gain = base_excess - trial.excess(budget)
             if gain <= 0:
                 continue
@@ -108,8 +129,8 @@ def min_peak(model: MemoryModel, candidates: Optional[Sequence[int]] = None) -> 
     current = model.profile(chosen)
     while remaining:
         best, best_key = None, (current.peak, float(current.memory.sum()))
-        for o in remaining:
-            trial = model.profile(chosen + [o])
+        for o in _relevant(model, remaining, current.memory, current.peak - 1):
+            trial = model.with_op(current, o)
             key = (trial.peak, float(trial.memory.sum()))
             if key < best_key:
                 best, best_key, best_profile = o, key, trial
@@ -131,7 +152,7 @@ def milp_available() -> bool:
 
 
 def milp(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None,
-         time_limit_s: float = 20.0, max_cuts: int = 5) -> Optional[List[int]]:
+         time_limit_s: float = 10.0, max_cuts: int = 5) -> Optional[List[int]]:
     """The least-overhead recompute set meeting ``budget`` by an integer
     program, or ``None`` when it has no solution (or scipy finds none in
     ``time_limit_s``)."""
