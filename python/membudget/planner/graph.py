@@ -250,10 +250,12 @@ def from_joint_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
             if sid is not None and index not in storages[sid].uses:
                 storages[sid].uses.append(index)
     num_forward = sum(1 for op in ops if op.phase == "forward")
-    # Gradients of the outputs arrive when backward starts, not before.
+    # Gradients of the outputs arrive when backward starts, not before, and
+    # the autograd engine holds them until the whole backward graph returns.
     for sid in tangents:
         if num_forward < len(ops):
             storages[sid].producer = num_forward
+            storages[sid].live_to_end = True
     output = next(n for n in gm.graph.nodes if n.op == "output")
     flat_outputs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     for position, a in enumerate(flat_outputs):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -171,6 +172,11 @@ class EchoPartitioner(_partitioner_base()):
         keys = [graph.ops[o].key for o in selection.recompute]
         fw, bw = partition_joint_graph(gm, keys, graph, num_fwd_outputs=num_fwd_outputs,
                                        static_lifetime_input_indices=static)
+        if not selection.feasible:
+            warnings.warn(
+                f"membudget planner: graph {len(self.plans)} cannot meet its budget of {budget} bytes "
+                f"({self.carried} bytes carried from earlier graphs); planned its lowest reachable peak, "
+                f"{selection.predicted_peak} bytes", RuntimeWarning, stacklevel=2)
         stash = model.stashed_bytes(selection.recompute)
         self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash})
         if self.budget.bytes is not None:
