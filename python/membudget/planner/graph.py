@@ -138,6 +138,17 @@ def _layer_of(node: torch.fx.Node) -> str:
     return ""
 
 
+def _forward_category(name: str, category: str) -> str:
+    """The category of the forward op a backward op belongs to
+    (``convolution_backward`` -> ``conv``), else ``category``."""
+    base = _base_name(name)
+    if "batch_norm" in base:
+        return "batch_norm"
+    if base.endswith("_backward") or "_backward_" in base:
+        return costs.op_category(base.split("_backward")[0])
+    return category
+
+
 def workspace_bytes(category: str, bytes_read: int, bytes_written: int) -> int:
     """Transient memory an op allocates inside its kernel, which no graph
     shows: oneDNN convolutions reorder their operands into blocked layouts
@@ -146,7 +157,7 @@ def workspace_bytes(category: str, bytes_read: int, bytes_written: int) -> int:
     this project's CPU measurements (docs/planner.md); zero for other ops."""
     if category == "conv":
         return bytes_read + bytes_written
-    if category in ("attention", "norm"):
+    if category in ("attention", "batch_norm"):
         return bytes_written
     return 0
 
@@ -160,7 +171,7 @@ def _roofline(target: Any, args: Any, kwargs: Any, out: Any, device: costs.Devic
     read, written = costs.op_bytes(args, kwargs, out)
     dtype = next((t.dtype for t in costs.tensors_in(out)), None)
     return category, costs.roofline_seconds(flops, read + written, device, dtype, category), \
-        workspace_bytes(category, read, written)
+        workspace_bytes(_forward_category(str(target), category), read, written)
 
 
 def _forward_nodes(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
@@ -320,7 +331,8 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
                                           None, category)
         op = PlanOp(index=i, name=top.name, phase=top.phase, category=category, cost_s=cost,
                     forward_index=i if top.phase == "forward" else None, key=top.index,
-                    workspace=workspace_bytes(category, int(top.bytes_read), int(top.bytes_written)))
+                    workspace=workspace_bytes(_forward_category(top.name, category), int(top.bytes_read),
+                                              int(top.bytes_written)))
         op.inputs = sorted({storage_of(t) for t in top.inputs if t in tensors})
         if category != "view":
             op.outputs = [storage_of(t) for t in top.outputs if t in tensors
