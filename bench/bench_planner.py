@@ -80,7 +80,7 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     losses: List[float] = []
     peak = 0
     compile_s = None
-    for step in range(spec.get("steps", 5)):
+    for step in range(spec.get("steps", 8)):
         model.zero_grad(set_to_none=True)
         if step == 1:
             gc.collect()

@@ -11,6 +11,7 @@ See DESIGN.md for the architecture and docs/configuration.md for every variable.
 from ._runtime import install, is_installed, uninstall
 from .config import Config, ConfigError
 from .stats import MemoryStats, memory_stats, reset_counters, reset_peak_stats, stats
+from .planner import Plan, compile_backend, plan
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,8 @@ __all__ = [
     "MemoryStats",
     "Config",
     "ConfigError",
+    "plan",
+    "Plan",
+    "compile_backend",
     "__version__",
 ]

@@ -110,7 +110,7 @@ def resnet(batch: int = 16, image: int = 32, widths: Tuple[int, ...] = (16, 32, 
                            lambda model, b: F.cross_entropy(model(b[0]), b[1]))
 
 
-def seq2seq(batch: int = 16, source_len: int = 12, target_len: int = 12, hidden: int = 96) -> PlannerWorkload:
+def seq2seq(batch: int = 32, source_len: int = 16, target_len: int = 16, hidden: int = 128) -> PlannerWorkload:
     """:class:`Seq2SeqAttention`, next-token cross-entropy."""
     vocab = 256
 
