@@ -348,6 +348,15 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
         for sid in op.inputs:
             if op.index not in storages[sid].uses:
                 storages[sid].uses.append(op.index)
+    # An in-place op writes into an earlier op's output: re-running that op
+    # would not reproduce the value, so it may not be recomputed.
+    for top in trace_ops:
+        if _base_name(top.name).endswith("_"):
+            for tid in top.outputs:
+                if tid in sid_of:
+                    producer = storages[sid_of[tid]].producer
+                    if producer is not None:
+                        ops[producer].recomputable = False
     # A tensor marked saved must reach backward even if the trace lists no
     # backward consumer (it is unpacked by an autograd node): keep it to the
     # first backward op at least.

@@ -253,9 +253,11 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
     run once on ``example_inputs`` (its output turned into a loss by
     ``loss_fn``, default: the output if scalar, else ``output.loss``, else the
     sum of the first output). ``via``: ``"trace"`` records the step with
-    :func:`membudget.trace` (dispatch numbering, what the runtime matches),
-    ``"joint-graph"`` plans AOTAutograd's joint graph, ``"auto"`` the trace when
-    :mod:`membudget.trace` exists. Returns a :class:`Plan` (printable, and shown
+    :func:`membudget.trace` (dispatch numbering, what the runtime matches);
+    ``"dispatch"`` with the planner's own minimal recorder (same numbering);
+    ``"joint-graph"`` plans AOTAutograd's joint graph (report only: its
+    numbering is not the runtime's); ``"auto"``: the trace when
+    :mod:`membudget.trace` exists, else the recorder. Returns a :class:`Plan` (printable, and shown
     as a table in notebooks)."""
     from .partitioner import BudgetSpec, EchoPartitioner
 
@@ -265,22 +267,30 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
         graph = from_trace(model_or_trace, device)
         model = MemoryModel(graph)
         return plan_from_graph(graph, spec.resolve(model), method, device_model, "dispatch")[0]
-    if via not in ("auto", "trace", "joint-graph"):
-        raise ValueError(f"membudget.plan(via={via!r}): expected 'auto', 'trace' or 'joint-graph'")
+    if via not in ("auto", "trace", "dispatch", "joint-graph"):
+        raise ValueError(f"membudget.plan(via={via!r}): expected 'auto', 'trace', 'dispatch' or 'joint-graph'")
     loss_of = loss_fn or _default_loss
-    if via in ("auto", "trace"):
-        try:
-            from .. import trace as trace_module
-        except ImportError:
-            if via == "trace":
-                raise
-            trace_module = None
-        if trace_module is not None:
-            def step() -> None:
-                loss_of(model_or_trace(*example_inputs)).backward()
 
+    def step() -> None:
+        loss_of(model_or_trace(*example_inputs)).backward()
+
+    if via in ("auto", "trace", "dispatch"):
+        trace_module = None
+        if via != "dispatch":
+            try:
+                from .. import trace as trace_module
+            except ImportError:
+                if via == "trace":
+                    raise
+        if trace_module is not None:
             recorded = trace_module.trace(step)
-            return plan(recorded, budget, method=method, device_model=device_model)
+        else:
+            from .recorder import record_step
+
+            recorded = record_step(step, list(model_or_trace.parameters()))
+        for p in model_or_trace.parameters():
+            p.grad = None
+        return plan(recorded, budget, method=method, device_model=device_model)
     import torch
     from functorch.compile import aot_function
     from torch._dynamo.backends.debugging import boxed_nop
