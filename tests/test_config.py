@@ -172,7 +172,7 @@ def test_host_budget_percentage_is_of_physical_ram():
         ("MEMBUDGET_POLICY", "fifo"),
         ("MEMBUDGET_POLICY", ""),
         ("MEMBUDGET_ACTIONS", "drop"),
-        ("MEMBUDGET_ACTIONS", "recompute"),
+        ("MEMBUDGET_ACTIONS", "drop"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "-1"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "1MB of stuff"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "50%"),
