@@ -203,6 +203,12 @@ class Lineage:
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
         lineage = getattr(tensor, _ATTR, None)
+        if lineage is not None and type(lineage) is StorageLineage and tensor._version != lineage.versions[-1]:
+            # Written where lineage could not see (no_grad code such as weight
+            # init, another thread): from here on it is an input we hold, like
+            # a parameter. Such tensors are long-lived buffers in practice.
+            delattr(tensor, _ATTR)
+            lineage = None
         if lineage is None:
             lineage = self.externals.get(id(tensor))
             if lineage is None or lineage.tensor is not tensor:
