@@ -20,7 +20,7 @@ each round runs ``--steps`` training steps, of which the first is left out
 the ops per step read from ``membudget._runtime._lineage.ops_recorded``.
 Target (issue 3): at most 10 µs per op.
 
-    python bench/bench_lineage.py [--quick] [--rounds 5] [--steps 6] [--models gpt2,cnn,lstm]
+    python bench/bench_lineage.py [--quick] [--rounds 7] [--steps 6] [--models gpt2,cnn,lstm]
                                   [--markdown bench/RESULTS.md]
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 5; 2 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 7; 2 with --quick)")
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per configuration and round, the first left out (default 6; 3 with --quick)")
     parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated subset of "
@@ -193,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's)")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.rounds = args.rounds or (2 if args.quick else 7)
     args.steps = args.steps or (3 if args.quick else 6)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is left out)")
