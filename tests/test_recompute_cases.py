@@ -19,6 +19,9 @@ pytestmark = pytest.mark.requires_native
 def _grads(build, run, seed=0, evict=False, **install):
     """Seeded forward + backward; returns (output, {name: grad})."""
     if install:
+        # Lineage is recorded only under a budget; a roomy one evicts nothing
+        # by itself, so evict_all decides what is dropped.
+        install.setdefault("budget", "4GiB")
         membudget.install(min_tensor_bytes=0, **install)
         load_extension().release_cached()  # the peak is this run's alone
         membudget.reset_counters()

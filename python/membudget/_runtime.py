@@ -135,7 +135,7 @@ def install(
             raise RuntimeError("membudget.install() again must run on the thread that called it first")
         if _hooks_thread is not None:
             _pop_hooks()
-        _push_hooks(native, config, plan, target)
+        _push_hooks(native, config, plan, target, recording=config.records_lineage and budget_bytes > 0)
         _hooks_thread = threading.get_ident()
     return config
 
@@ -151,10 +151,12 @@ def _cuda_device_model(device: torch.device):
     return device_model("a100-40gb")
 
 
-def _push_hooks(native, config: Config, plan, device: torch.device) -> None:
+def _push_hooks(native, config: Config, plan, device: torch.device, recording: bool) -> None:
     """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
     global _lineage, _lineage_mode
-    if not config.records_lineage:
+    # Without a budget nothing is ever evicted: recording lineage would only
+    # cost time (and the unmanaged peak is measured this way).
+    if not recording:
         native.set_recompute_callback(None)
         torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
         return
