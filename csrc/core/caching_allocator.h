@@ -9,7 +9,8 @@
 // Note [OOM ladder]: allocate() tries, in order,
 //   1. a cached free block (best fit, same stream, split if large enough);
 //   2. a new segment within the budget;
-//   3. release cached free segments, then a new segment;
+//   3. release cached free segments, then a new segment; for a small
+//      request, then a free piece of a large segment;
 //   4. the Evictor (residency manager) frees memory, then retry 1-3
 //      (repeated while it makes progress);
 //   5. throw OutOfMemory with budget, reserved, allocated, evictable bytes and
@@ -127,6 +128,16 @@ class CachingAllocator {
   // the largest cached free block (on its own stream) or what the budget
   // leaves once cached free segments are released, whichever is larger.
   size_t largest_free_or_reservable() const;
+  // Note [Usable ranges]: what a request could use once memory is freed. For
+  // a live block at ptr: the block plus its free neighbours, as one range if
+  // it were deallocated now. For any other address: the free range that
+  // contains it now, or 0 when it lies in an allocated block. A range that
+  // spans its whole segment counts with the budget headroom added (the
+  // segment could be released and one larger segment reserved); an address in
+  // no segment (its segment was released) counts as the headroom alone.
+  // Allocator-aware eviction uses this to prefer victims that make a large
+  // request fit, and to count evictions that freed nothing usable.
+  size_t usable_range_at(const void* ptr) const;
 
   AllocatorStats stats() const;
   void reset_peak_stats();

@@ -13,9 +13,24 @@ forward in ordinary training scripts (``membudget run`` calls it on the main
 thread before the script starts). Backward may run on other threads: unpack
 works from any thread. Non-reentrant ``torch.utils.checkpoint`` regions push
 their own hooks, which win inside them (innermost wins).
+
+When recomputation is allowed (``MEMBUDGET_ACTIONS`` ``recompute`` or
+``both``), ``install()`` also enters :class:`~membudget.lineage.LineageMode`
+on that thread, so forward ops are recorded and dropped activations can be
+replayed (:mod:`membudget.replay`).
+
+Note [Backward without the lineage mode]: on the CPU, autograd runs backward
+on the calling thread, so every backward op would also pass through the
+lineage mode (about 7-16 us each through Python, for nothing: backward is not
+recorded). While the mode is installed, ``torch.autograd.backward`` and
+``torch.autograd.grad`` (which ``Tensor.backward`` calls) are wrapped to take
+the mode off the dispatch stack for their duration when it is on top; the
+engine captures the thread's state at that point, so backward ops never see
+it. ``uninstall()`` restores the originals.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Iterable, Optional, Union
 
@@ -28,6 +43,9 @@ __all__ = ["install", "uninstall", "is_installed"]
 
 _state_lock = threading.Lock()
 _hooks_thread: Optional[int] = None  # ident of the thread our hooks were pushed on
+_lineage = None                      # membudget.lineage.Lineage while recording
+_lineage_mode = None                 # the entered LineageMode
+_autograd_originals = None           # (backward, grad) while wrapped
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -61,6 +79,7 @@ def install(
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
     device: Optional[Union[str, torch.device]] = None,
+    plan=None,
 ) -> Config:
     """Run this process under a device-memory budget from here on.
 
@@ -74,6 +93,10 @@ def install(
     allocation); the device cannot change within a process. Install before the
     model is built: memory allocated earlier is not counted or managed. Returns
     the resolved :class:`~membudget.config.Config`.
+
+    ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
+    saved tensors to drop at pack time and recompute on use; anything it did
+    not foresee is still handled dynamically. It needs recomputation allowed.
     """
     global _hooks_thread
     config = Config.from_env(
@@ -93,12 +116,14 @@ def install(
         "budget_bytes": budget_bytes,
         "host_budget_bytes": config.host_budget_bytes,
         "policy": config.policy,
-        "actions": config.effective_actions,
+        "actions": config.actions,
         "min_tensor_bytes": config.min_tensor_bytes,
         "prefetch_bytes": config.prefetch_bytes,
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
     }
+    if plan is not None and not config.records_lineage:
+        raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")
     with _state_lock:
         first_cuda_install = target.type == "cuda" and native.runtime_kind() == "none"
         native.install_runtime(target.type, target.index or 0, settings)
@@ -106,10 +131,100 @@ def install(
             from ._cuda_install import install_cuda_allocator
 
             install_cuda_allocator()
-        if _hooks_thread is None:
-            torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
-            _hooks_thread = threading.get_ident()
+        if _hooks_thread is not None and _hooks_thread != threading.get_ident():
+            raise RuntimeError("membudget.install() again must run on the thread that called it first")
+        if _hooks_thread is not None:
+            _pop_hooks()
+        _push_hooks(native, config, plan, target, recording=config.records_lineage and budget_bytes > 0)
+        _hooks_thread = threading.get_ident()
     return config
+
+
+def _cuda_device_model(device: torch.device):
+    """The cost model's closest device for a CUDA device (by name)."""
+    from .costs import device_model
+
+    name = torch.cuda.get_device_name(device).lower()
+    for key, model in (("h200", "h200"), ("h100", "h200"), ("a100", "a100-40gb"), ("4090", "rtx4090")):
+        if key in name:
+            return device_model(model)
+    return device_model("a100-40gb")
+
+
+def _push_hooks(native, config: Config, plan, device: torch.device, recording: bool) -> None:
+    """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
+    global _lineage, _lineage_mode
+    # Without a budget nothing is ever evicted: recording lineage would only
+    # cost time (and the unmanaged peak is measured this way).
+    if not recording:
+        native.set_recompute_callback(None)
+        torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+        return
+    from .lineage import Lineage, LineageMode
+    from .replay import rebuild_entry
+
+    lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
+    handle_type = native.SavedActivation
+    native_pack, native_unpack = native.pack, native.unpack
+
+    def pack(tensor):
+        handle = native_pack(tensor)
+        if type(handle) is handle_type:
+            lineage.on_pack(handle, tensor)
+        return handle
+
+    def unpack(handle):
+        lineage.in_backward = True
+        return native_unpack(handle)
+
+    native.set_recompute_callback(lambda entry_id: rebuild_entry(lineage, entry_id))
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _lineage_mode = LineageMode(lineage)
+    _lineage_mode.__enter__()
+    _lineage = lineage
+    _wrap_autograd_entry_points()
+
+
+def _without_lineage_mode(function):
+    """``function`` run with the lineage mode popped when it tops this
+    thread's dispatch stack (Note [Backward without the lineage mode])."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        mode = _lineage_mode
+        depth = torch._C._len_torch_dispatch_stack()
+        if mode is None or depth == 0 or torch._C._get_dispatch_stack_at(depth - 1) is not mode:
+            return function(*args, **kwargs)
+        with _pop_mode_temporarily():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_autograd_entry_points() -> None:
+    global _autograd_originals
+    if _autograd_originals is None:
+        _autograd_originals = (torch.autograd.backward, torch.autograd.grad)
+        torch.autograd.backward = _without_lineage_mode(_autograd_originals[0])
+        torch.autograd.grad = _without_lineage_mode(_autograd_originals[1])
+
+
+def _restore_autograd_entry_points() -> None:
+    global _autograd_originals
+    if _autograd_originals is not None:
+        torch.autograd.backward, torch.autograd.grad = _autograd_originals
+        _autograd_originals = None
+
+
+def _pop_hooks() -> None:
+    global _lineage, _lineage_mode
+    if _lineage_mode is not None:
+        _restore_autograd_entry_points()
+        _lineage_mode.__exit__(None, None, None)
+        _lineage_mode = None
+        _lineage = None
+    torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def uninstall() -> None:
@@ -125,7 +240,7 @@ def uninstall() -> None:
         if _hooks_thread is not None:
             if _hooks_thread != threading.get_ident():
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _pop_hooks()
             _hooks_thread = None
         native.uninstall_runtime()
 

@@ -25,6 +25,7 @@ import gc
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,15 @@ _STAT_KEYS = (
     "stall_seconds",
     "num_alloc_retries",
     "num_ooms",
+    # Recomputation (issue 3).
+    "recompute_count",
+    "recompute_bytes",
+    "recompute_seconds",
+    "drop_count",
+    "dropped_bytes",
+    "planned_drops",
+    "evictions_wasted",
+    "link_bytes_per_s",
 )
 
 
@@ -76,9 +86,11 @@ class RunSpec:
     """What one worker process runs: ``model`` names a workload the worker's
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
+    ``actions`` (``swap``, ``recompute`` or ``both``), ``host_budget`` (bytes),
     ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
     (``None``: the library's default); ``threads`` sets torch's intra-op
-    threads (``None``: torch's default)."""
+    threads (``None``: torch's default). Fields added later default to
+    ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
     model: str
     mode: str
@@ -91,6 +103,8 @@ class RunSpec:
     prefetch_bytes: Optional[int] = None
     seed: int = 0
     threads: Optional[int] = None
+    actions: Optional[str] = None
+    host_budget: Optional[int] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -173,6 +187,8 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
         membudget.install(
             budget=spec.budget if spec.mode == "managed" else None,
             policy=spec.policy,
+            actions=spec.actions,
+            host_budget=spec.host_budget,
             min_tensor_bytes=spec.min_tensor_bytes,
             prefetch_bytes=spec.prefetch_bytes,
             device=device,
@@ -209,6 +225,11 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     if membudget is not None:
         stats = membudget.memory_stats()
         result["stats"] = {key: stats.get(key, 0) for key in _STAT_KEYS}
+        from . import _runtime
+
+        # Forward ops lineage recorded over all steps (0: recomputation not allowed).
+        lineage = _runtime._lineage
+        result["stats"]["ops_recorded"] = lineage.ops_recorded if lineage is not None else 0
     elif device.type == "cuda":
         result["stats"] = {"reserved_bytes.all.peak": torch.cuda.max_memory_reserved(device)}
     else:
@@ -247,6 +268,7 @@ def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) 
     process's wall time, start-up included."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in native code leaves its Python stack on stderr
     start = time.perf_counter()
     try:
         proc = subprocess.run([*command, "--worker", spec.to_json()], env=env, capture_output=True, text=True,
@@ -259,5 +281,13 @@ def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) 
             result = json.loads(line[len(_RESULT_PREFIX):])
             result["wall_s"] = wall
             return result
+    if proc.returncode < 0:  # killed by a signal: say which, and where faulthandler saw Python
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        stack = [line.strip() for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
+        where = f"; innermost Python frames: {' <- '.join(stack[:3])}" if stack else ""
+        return {"error": f"exit {proc.returncode} ({name}){where}", "spec": dataclasses.asdict(spec)}
     last_line = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
     return {"error": f"exit {proc.returncode}: {last_line[:600]}", "spec": dataclasses.asdict(spec)}
