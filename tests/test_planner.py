@@ -146,3 +146,14 @@ def test_plan_of_a_model_via_joint_graph():
     assert p.entries and p.predicted_peak < p.baseline_peak
     assert any(e.category in ("pointwise", "norm") for e in p.entries)
     assert all(p.drops(-1, e.op_name, e.outputs[0], occurrence=e.occurrence) for e in p.entries if e.outputs)
+
+
+def test_plan_drops_follows_a_shifted_numbering():
+    """Ops run just before forward (drawing the batch) shift the runtime's
+    indices; the plan finds the shift from the names of consecutive calls."""
+    p = plan(_hand_trace(), 4 * MiB + 64)
+    assert p.forward_names == ["aten.mm.default", "aten.relu.default", "aten.mm.default", "aten.sum.default"]
+    p.drops(5, "aten.mm.default", 0)  # one call cannot tell a shift of 3 from 5
+    assert not p.drops(6, "aten.relu.default", 0)  # now it can: 5 (relu is not planned)
+    assert p.drops(5, "aten.mm.default", 0)
+    assert not p.drops(7, "aten.mm.default", 0)  # the second mm is not planned

@@ -80,6 +80,7 @@ class Plan:
     device_model: str = "cpu-host"
     graphs: int = 1
     notes: List[str] = field(default_factory=list)
+    forward_names: List[str] = field(default_factory=list)
 
     # -- the runtime's question -----------------------------------------
     def __post_init__(self) -> None:
@@ -88,6 +89,41 @@ class Plan:
     def _reindex(self) -> None:
         self._by_index = {e.forward_index: e for e in self.entries}
         self._by_occurrence = {(e.op_name, e.occurrence): e for e in self.entries}
+        self._offset = 0
+        self._recent: List[Tuple[int, str]] = []
+
+    # Note [Aligning op numbering]: the runtime numbers ops from the start of
+    # each forward as its dispatch mode sees them, and ops the user runs just
+    # before the forward (drawing the batch, building the model in the first
+    # iteration) shift every index by a constant. The plan keeps the recorded
+    # forward's op names and finds the shift that makes the names of the
+    # recent calls agree (nearest to the last shift found); it decides only
+    # once two calls agree on a shift or the index matches without one.
+    _ALIGN_WINDOW = 4096
+    _ALIGN_HISTORY = 6
+
+    def _aligned(self, op_index: int, op_name: str) -> Optional[int]:
+        names = self.forward_names
+        if not names:
+            return op_index
+        if self._recent and op_index < self._recent[-1][0] // 2:
+            self._recent = []  # a new forward (saves arrive slightly out of order within one)
+        self._recent = (self._recent + [(op_index, op_name)])[-self._ALIGN_HISTORY:]
+
+        def fits(shift: int) -> bool:
+            return all(0 <= i - shift < len(names) and names[i - shift] == n for i, n in self._recent)
+
+        if not fits(self._offset):
+            for delta in range(1, self._ALIGN_WINDOW):
+                found = next((s for s in (self._offset + delta, self._offset - delta) if fits(s)), None)
+                if found is not None:
+                    self._offset = found
+                    break
+            else:
+                return None
+        if self._offset != 0 and len(self._recent) < 2:
+            return None
+        return op_index - self._offset
 
     def drops(self, op_index: int, op_name: str, output_index: int, occurrence: Optional[int] = None) -> bool:
         """Whether the runtime should drop, at pack time, output ``output_index``
@@ -95,10 +131,13 @@ class Plan:
         ``'aten.addmm.default'``) to recompute it on use. Matches by index and
         checks the name; when they disagree (indices shifted, or a plan made
         from a joint graph) falls back to (name, occurrence among forward ops
-        of that name) when ``occurrence`` is given."""
-        entry = self._by_index.get(op_index) if self.numbering == "dispatch" else None
-        if entry is not None and entry.op_name == op_name:
-            return output_index in entry.outputs
+        of that name) when ``occurrence`` is given, and finds a constant shift of
+        the numbering by itself (Note [Aligning op numbering])."""
+        if self.numbering == "dispatch":
+            index = self._aligned(op_index, op_name)
+            entry = self._by_index.get(index) if index is not None else None
+            if entry is not None and entry.op_name == op_name:
+                return output_index in entry.outputs
         if occurrence is not None:
             entry = self._by_occurrence.get((op_name, occurrence))
             if entry is not None:
@@ -118,8 +157,7 @@ class Plan:
     # -- persistence -----------------------------------------------------
     def to_json(self) -> str:
         """The plan as JSON (:meth:`from_json` reads it back)."""
-        data = asdict(self)
-        return json.dumps(data, indent=1)
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -220,10 +258,11 @@ def _plan_of(parts: Sequence[Tuple[PlanGraph, Selection]], budget: int, device_m
             reach = max(reach or 0, selection.min_reachable_peak)
         methods.append(selection.method)
     notes = [n for _, s in parts for n in s.notes]
+    forward_names = [op.name for graph, _ in parts for op in graph.ops[: graph.num_forward]]
     return Plan(budget=int(budget), predicted_peak=peak, baseline_peak=base, overhead_s=overhead, step_s=step,
                 feasible=feasible, method="+".join(dict.fromkeys(methods)) or "none", entries=entries,
                 min_reachable_peak=reach, numbering=numbering, device_model=device_model, graphs=len(parts),
-                notes=notes)
+                notes=notes, forward_names=forward_names if numbering == "dispatch" else [])
 
 
 def _is_trace(obj: Any) -> bool:
@@ -243,8 +282,8 @@ def _default_loss(out: Any):
 
 
 def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs: Sequence[Any] = (),
-         loss_fn: Optional[Callable[[Any], Any]] = None, method: str = "auto", device_model: str = "cpu-host",
-         via: str = "auto") -> Plan:
+         loss_fn: Optional[Callable[[Any], Any]] = None, step: Optional[Callable[[], Any]] = None,
+         method: str = "auto", device_model: str = "cpu-host", via: str = "auto") -> Plan:
     """Plan what to recompute so that a training step fits ``budget`` (bytes,
     ``"64MiB"``, or ``"40%"`` of the activation memory above parameters and
     inputs), at the least modelled overhead.
@@ -252,7 +291,8 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
     ``model_or_trace``: a :class:`membudget.trace.Trace`, or an ``nn.Module``
     run once on ``example_inputs`` (its output turned into a loss by
     ``loss_fn``, default: the output if scalar, else ``output.loss``, else the
-    sum of the first output). ``via``: ``"trace"`` records the step with
+    sum of the first output), or the training step's forward given as ``step``
+    (a callable returning the loss, e.g. ``lambda: loss(model, batch)``). ``via``: ``"trace"`` records the step with
     :func:`membudget.trace` (dispatch numbering, what the runtime matches);
     ``"dispatch"`` with the planner's own minimal recorder (same numbering);
     ``"joint-graph"`` plans AOTAutograd's joint graph (report only: its
@@ -271,8 +311,10 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
         raise ValueError(f"membudget.plan(via={via!r}): expected 'auto', 'trace', 'dispatch' or 'joint-graph'")
     loss_of = loss_fn or _default_loss
 
+    forward = step
+
     def step() -> None:
-        loss_of(model_or_trace(*example_inputs)).backward()
+        (forward() if forward is not None else loss_of(model_or_trace(*example_inputs))).backward()
 
     if via in ("auto", "trace", "dispatch"):
         trace_module = None
