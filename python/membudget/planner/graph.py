@@ -153,7 +153,7 @@ def workspace_bytes(category: str, bytes_read: int, bytes_written: int) -> int:
     """Transient memory an op allocates inside its kernel, which no graph
     shows: oneDNN convolutions reorder their operands into blocked layouts
     (a copy of what they read and write), fused attention and batch-norm
-    backward keep buffers of about their output's size. A coarse model, calibrated on
+    backward keep buffers of about their output's size. A coarse model from
     this project's CPU measurements (docs/planner.md); zero for other ops."""
     if category == "conv":
         return bytes_read + bytes_written
@@ -331,6 +331,7 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
                                           None, category)
         op = PlanOp(index=i, name=top.name, phase=top.phase, category=category, cost_s=cost,
                     forward_index=i if top.phase == "forward" else None, key=top.index,
+                    layer=str(getattr(top, "module", "") or ""),
                     workspace=workspace_bytes(_forward_category(top.name, category), int(top.bytes_read),
                                               int(top.bytes_written)))
         op.inputs = sorted({storage_of(t) for t in top.inputs if t in tensors})
@@ -369,7 +370,3 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
         s.uses.sort()
     return PlanGraph(ops=ops, storages=storages, num_forward=num_forward, source="trace")
 
-
-def node_names(ops: Sequence[PlanOp]) -> List[str]:
-    """The keys of ``ops`` (FX node names for a joint graph)."""
-    return [op.key for op in ops]

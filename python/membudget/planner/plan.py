@@ -329,7 +329,7 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
         else:
             from .recorder import record_step
 
-            recorded = record_step(step, list(model_or_trace.parameters()))
+            recorded = record_step(step, list(model_or_trace.parameters()), model_or_trace)
         for p in model_or_trace.parameters():
             p.grad = None
         return plan(recorded, budget, method=method, device_model=device_model)

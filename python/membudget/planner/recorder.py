@@ -39,6 +39,7 @@ class _StepRecorder(TorchDispatchMode):
         self.ops: List[SimpleNamespace] = []
         self.tensors: Dict[int, SimpleNamespace] = {}
         self.by_ptr: Dict[int, int] = {}
+        self.modules: List[str] = []  # the module path being run (forward pre/post hooks)
 
     def tensor_id(self, t: torch.Tensor, producer: Optional[int] = None, fresh: bool = False) -> int:
         ptr = t.untyped_storage().data_ptr()
@@ -77,15 +78,30 @@ class _StepRecorder(TorchDispatchMode):
         self.ops.append(SimpleNamespace(
             index=index, name=str(func), phase="backward" if backward else "forward",
             category=costs.op_category(func), flops=costs.op_flops(func, args, kwargs, out),
-            bytes_read=read, bytes_written=written, duration_s=None, inputs=inputs, outputs=outputs))
+            bytes_read=read, bytes_written=written, duration_s=None, inputs=inputs, outputs=outputs,
+            module=self.modules[-1] if self.modules and not backward else ""))
         return out
 
 
-def record_step(step: Callable[[], Any], parameters: Any = ()) -> SimpleNamespace:
+def record_step(step: Callable[[], Any], parameters: Any = (), model: Optional[torch.nn.Module] = None
+                ) -> SimpleNamespace:
     """Run ``step()`` (forward and backward) once under the recorder and return
     a trace-shaped object. ``parameters``: their ``.grad`` tensors are marked
-    as gradients (alive to the end of the step)."""
+    as gradients (alive to the end of the step). ``model``: each forward op
+    records the path of the innermost module running it (``op.module``)."""
     recorder = _StepRecorder()
+    handles = []
+    if model is not None:
+        for path, module in model.named_modules():
+            def enter(_module, _args, path=path or "model"):
+                recorder.modules.append(path)
+
+            def leave(_module, _args, _out):
+                if recorder.modules:
+                    recorder.modules.pop()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
@@ -93,8 +109,12 @@ def record_step(step: Callable[[], Any], parameters: Any = ()) -> SimpleNamespac
             recorder.tensors[recorder.by_ptr[ptr]].saved = True
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-        step()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+            step()
+    finally:
+        for handle in handles:
+            handle.remove()
     for p in parameters:
         if p.grad is not None:
             tid = recorder.by_ptr.get(p.grad.untyped_storage().data_ptr())
