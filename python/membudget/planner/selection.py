@@ -84,9 +84,43 @@ def _relevant(model: MemoryModel, candidates: Sequence[int], memory: np.ndarray,
     return useful
 
 
+def _feeders(model: MemoryModel, op_index: int, chosen: set, depth: int = 3) -> List[int]:
+    """Ops that recomputing ``op_index`` would otherwise keep alive: producers
+    of its inputs that autograd does not stash (read only in forward) and
+    that may be recomputed, transitively up to ``depth``. Recomputing them
+    with it is one move (a chain), so that its benefit is seen at once."""
+    graph = model.graph
+    found: List[int] = []
+    frontier = [op_index]
+    for _ in range(depth):
+        nxt = []
+        for o in frontier:
+            for sid in graph.ops[o].inputs:
+                producer = graph.storages[sid].producer
+                if (producer is None or producer in chosen or producer in found or producer == op_index
+                        or not graph.ops[producer].recomputable or model.bw_first.get(sid) is not None):
+                    continue
+                found.append(producer)
+                nxt.append(producer)
+        frontier = nxt
+    return found
+
+
+def _moves(model: MemoryModel, o: int, chosen: set) -> List[List[int]]:
+    feeders = _feeders(model, o, chosen)
+    return [[o], [o, *feeders]] if feeders else [[o]]
+
+
+def _apply(model: MemoryModel, profile: Profile, move: Sequence[int]) -> Profile:
+    for o in move:
+        profile = model.with_op(profile, o)
+    return profile
+
+
 def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None) -> List[int]:
     """Echo's greedy: benefit (memory above budget removed) per second of
-    recompute, all remaining candidates re-evaluated each round, then pruned."""
+    recompute, all remaining candidates re-evaluated each round (alone, and
+    with the unstashed ops feeding them), then pruned."""
     remaining = list(candidates if candidates is not None else _candidates(model))
     chosen: List[int] = []
     current = model.profile(chosen)
@@ -94,17 +128,18 @@ def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] 
         base_excess = current.excess(budget)
         best, best_score, best_profile = None, 0.0, None
         for o in _relevant(model, remaining, current.memory, budget):
-            trial = model.with_op(current, o)
-            gain = base_excess - trial.excess(budget)
-            if gain <= 0:
-                continue
-            score = gain / (model.graph.ops[o].cost_s + _EPS_COST)
-            if score > best_score:
-                best, best_score, best_profile = o, score, trial
+            for move in _moves(model, o, set(chosen)):
+                trial = _apply(model, current, move)
+                gain = base_excess - trial.excess(budget)
+                if gain <= 0:
+                    continue
+                score = gain / (sum(model.graph.ops[x].cost_s for x in move) + _EPS_COST)
+                if score > best_score:
+                    best, best_score, best_profile = move, score, trial
         if best is None:
             break
-        chosen.append(best)
-        remaining.remove(best)
+        chosen.extend(best)
+        remaining = [o for o in remaining if o not in best]
         current = best_profile
     return prune(model, chosen, budget)
 
@@ -130,14 +165,15 @@ def min_peak(model: MemoryModel, candidates: Optional[Sequence[int]] = None) -> 
     while remaining:
         best, best_key = None, (current.peak, float(current.memory.sum()))
         for o in _relevant(model, remaining, current.memory, current.peak - 1):
-            trial = model.with_op(current, o)
-            key = (trial.peak, float(trial.memory.sum()))
-            if key < best_key:
-                best, best_key, best_profile = o, key, trial
+            for move in _moves(model, o, set(chosen)):
+                trial = _apply(model, current, move)
+                key = (trial.peak, float(trial.memory.sum()))
+                if key < best_key:
+                    best, best_key, best_profile = move, key, trial
         if best is None:
             break
-        chosen.append(best)
-        remaining.remove(best)
+        chosen.extend(best)
+        remaining = [o for o in remaining if o not in best]
         current = best_profile
     return current
 
