@@ -79,7 +79,7 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import membudget
     from membudget._native import load_extension
 
-    membudget.install(min_tensor_bytes="1TiB")  # count only
+    membudget.install(budget=None, min_tensor_bytes="1TiB", actions="swap")  # count only
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -144,7 +144,7 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def spawn(spec: Dict[str, Any], timeout: float = 900) -> Dict[str, Any]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBUDGET_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
     try:
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
