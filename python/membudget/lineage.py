@@ -211,6 +211,11 @@ class Lineage:
 
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
+        held = self.externals.get(id(tensor))
+        if held is not None and held.tensor is tensor:
+            # Parameters are read by many ops: skip the attribute lookup,
+            # which is slow for tensors without the attribute.
+            return TensorRef(held, 0, tensor, scratch)
         lineage = getattr(tensor, _ATTR, None)
         if lineage is not None and type(lineage) is StorageLineage and tensor._version != lineage.versions[-1]:
             # Written where lineage could not see (no_grad code such as weight
