@@ -79,12 +79,15 @@ class Trace:
     indexed by id, ``unpack_order`` (saved tensor ids in the order backward
     unpacked them; a tensor unpacked twice appears twice), ``unpack_ops`` (for
     each entry of ``unpack_order``, the index of the next op dispatched after
-    the unpack) and ``metadata`` (model, batch, device, torch version, fake)."""
+    the unpack), ``pack_order``/``pack_ops`` likewise for packs (a pack
+    recorded with op index k happened after op k-1) and ``metadata`` (model, batch, device, torch version, fake)."""
 
     ops: List[TraceOp]
     tensors: List[TraceTensor]
     unpack_order: List[int] = field(default_factory=list)
     unpack_ops: List[int] = field(default_factory=list)
+    pack_order: List[int] = field(default_factory=list)
+    pack_ops: List[int] = field(default_factory=list)
     metadata: Dict[str, Any] = field(default_factory=dict)
 
     # ---- queries ---------------------------------------------------------
@@ -142,7 +145,7 @@ class Trace:
         ops = {c: [getattr(op, c) for op in self.ops] for c in _OP_COLUMNS}
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "metadata": self.metadata,
                 "tensors": tensors, "ops": ops, "unpack_order": self.unpack_order,
-                "unpack_ops": self.unpack_ops}
+                "unpack_ops": self.unpack_ops, "pack_order": self.pack_order, "pack_ops": self.pack_ops}
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Trace":
@@ -163,7 +166,8 @@ class Trace:
             for tid in op.inputs:
                 tensors[tid].consumers.append(op.index)
         return cls(ops=ops, tensors=tensors, unpack_order=list(data["unpack_order"]),
-                   unpack_ops=list(data["unpack_ops"]), metadata=dict(data["metadata"]))
+                   unpack_ops=list(data["unpack_ops"]), pack_order=list(data["pack_order"]),
+                   pack_ops=list(data["pack_ops"]), metadata=dict(data["metadata"]))
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the trace to ``path`` (gzip JSON, docs/trace_format.md)."""

@@ -51,6 +51,8 @@ class _Recorder(TorchDispatchMode):
         self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}  # cdata -> (weak ref, tensor id)
         self.unpack_order: List[int] = []
         self.unpack_ops: List[int] = []
+        self.pack_order: List[int] = []
+        self.pack_ops: List[int] = []
         self.paused = False
         self.seen_backward = False
         self.module_stack: List[int] = []
@@ -140,6 +142,8 @@ class _Recorder(TorchDispatchMode):
             tid = self.tensor_id(t, None)
             if tid is not None:
                 self.tensors[tid].saved = True
+                self.pack_order.append(tid)
+                self.pack_ops.append(len(self.ops))
             return (tid, t.detach())
         finally:
             self.paused = False
@@ -245,4 +249,5 @@ def trace(step_fn: Callable[..., Any], fake: bool = False, *, setup: Optional[Ca
             "phases": dict(Counter(op.phase for op in recorder.ops))}
     meta.update(metadata or {})
     return Trace(ops=recorder.ops, tensors=recorder.tensors, unpack_order=recorder.unpack_order,
-                 unpack_ops=recorder.unpack_ops, metadata=meta)
+                 unpack_ops=recorder.unpack_ops, pack_order=recorder.pack_order, pack_ops=recorder.pack_ops,
+                 metadata=meta)

@@ -1,0 +1,305 @@
+#include "sim/replay.h"
+
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include "core/caching_allocator.h"
+#include "core/out_of_memory.h"
+#include "core/sim_backend.h"
+
+namespace membudget {
+namespace {
+
+// A simulated saved activation as the residency manager sees it: its device
+// memory is a virtual block of the real allocator, and "referenced" follows
+// the trace's liveness (true while forward ops or a running backward op use
+// the storage, Note [Replay programs]).
+class SimulatedActivation final : public ResidencyEntry {
+ public:
+  SimulatedActivation(size_t bytes, CachingAllocator& device, void* ptr)
+      : ResidencyEntry(bytes), device_(device), ptr_(ptr) {}
+
+  bool externally_referenced() const override { return referenced_; }
+  void* device_data() const override { return ptr_; }
+  void drop_device_copy() override {
+    device_.deallocate(ptr_);
+    ptr_ = nullptr;
+  }
+  void attach_device_copy(void* ptr) override { ptr_ = ptr; }
+
+  void set_referenced(bool referenced) { referenced_ = referenced; }
+  // Frees the device copy, if any, when the storage dies.
+  void free_device_copy() {
+    if (ptr_ != nullptr) drop_device_copy();
+  }
+
+ private:
+  CachingAllocator& device_;
+  void* ptr_;
+  bool referenced_ = true;
+};
+
+// One storage of the program.
+struct SimTensor {
+  void* device = nullptr;                        // unmanaged device memory
+  std::unique_ptr<SimulatedActivation> entry;    // set once packed (manager path)
+  void* host = nullptr;                          // offload baselines: host copy
+  EventPtr offload_done;                         // the D2H copy of an offload
+  EventPtr restore_done;                         // a prefetched H2D copy
+};
+
+// Device copies of offloaded tensors whose D2H copy is still running: freed
+// once it completes. As the allocator's Evictor it waits for them, which is
+// what a caching allocator that syncs the copy stream on OOM would do.
+class PendingFrees final : public Evictor {
+ public:
+  explicit PendingFrees(CachingAllocator& device) : device_(device) {}
+  void add(EventPtr done, void* ptr) { pending_.emplace_back(std::move(done), ptr); }
+  void reap() {
+    for (size_t i = 0; i < pending_.size();) {
+      if (pending_[i].first->ready()) {
+        device_.deallocate(pending_[i].second);
+        pending_[i] = pending_.back();
+        pending_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  size_t evict(size_t, Stream) override {
+    size_t freed = 0;
+    for (auto& p : pending_) {
+      p.first->wait();
+      freed += device_.allocation_size(p.second);
+      device_.deallocate(p.second);
+    }
+    pending_.clear();
+    return freed;
+  }
+  std::string describe_evictable() const override { return "offloaded copies in flight"; }
+
+ private:
+  CachingAllocator& device_;
+  std::vector<std::pair<EventPtr, void*>> pending_;
+};
+
+class Replayer {
+ public:
+  Replayer(const ReplayProgram& program, const ReplayConfig& config)
+      : program_(program), config_(config),
+        backend_(config.capacity_bytes, config.link_bytes_per_s),
+        device_(backend_, MemoryKind::device, config.budget_bytes, "device"),
+        host_tier_(backend_, MemoryKind::host, config.host_budget_bytes, "host tier"),
+        manager_(backend_, device_, host_tier_, config.manager), pending_frees_(device_),
+        tensors_(program.tensor_bytes.size()) {
+    device_.set_evictor(config.use_manager ? static_cast<Evictor*>(&manager_) : &pending_frees_);
+  }
+
+  ~Replayer() { release_everything(); }
+
+  ReplayResult run() {
+    ReplayResult result;
+    const size_t n = program_.codes.size();
+    size_t i = 0;
+    try {
+      for (; i < program_.prologue_length; ++i) step(i);
+      for (int iteration = 0; iteration < config_.iterations; ++iteration) {
+        if (iteration == config_.iterations - 1) start_measuring();
+        for (i = program_.prologue_length; i < n; ++i) step(i);
+      }
+      manager_.synchronize();
+    } catch (const OutOfMemory& error) {
+      result.feasible = false;
+      result.error = error.what();
+      result.failed_instruction = static_cast<int64_t>(i);
+    }
+    finish(result);
+    return result;
+  }
+
+ private:
+  size_t bytes_of(int64_t t) const { return program_.tensor_bytes[static_cast<size_t>(t)]; }
+
+  void start_measuring() {
+    manager_.reset_counters();
+    device_.reset_peak_stats();
+    start_time_ = backend_.now();
+    start_stall_ = backend_.stall_seconds();
+    start_d2h_ = backend_.copied_bytes(CopyDirection::device_to_host);
+    start_h2d_ = backend_.copied_bytes(CopyDirection::host_to_device);
+    compute_s_ = recompute_s_ = 0.0;
+  }
+
+  void finish(ReplayResult& r) {
+    AllocatorStats s = device_.stats();
+    r.peak_reserved_bytes = s.reserved_peak;
+    r.peak_allocated_bytes = s.allocated_peak;
+    r.compute_s = compute_s_;
+    r.recompute_s = recompute_s_;
+    r.stall_s = backend_.stall_seconds() - start_stall_;
+    r.total_s = backend_.now() - start_time_;
+    r.swap_out_bytes = backend_.copied_bytes(CopyDirection::device_to_host) - start_d2h_;
+    r.swap_in_bytes = backend_.copied_bytes(CopyDirection::host_to_device) - start_h2d_;
+    ManagerStats m = manager_.stats();
+    r.eviction_count = m.eviction_count;
+    r.prefetch_hits = m.prefetch_hits;
+    r.prefetch_misses = m.prefetch_misses;
+  }
+
+  void step(size_t i) {
+    const auto code = static_cast<ReplayCode>(program_.codes[i]);
+    const int64_t id = program_.tensors[i];
+    if (code != ReplayCode::compute && code != ReplayCode::recompute &&
+        (id < 0 || static_cast<size_t>(id) >= tensors_.size())) {
+      throw std::invalid_argument("replay: instruction " + std::to_string(i) + " names no valid tensor");
+    }
+    pending_frees_.reap();
+    switch (code) {
+      case ReplayCode::compute:
+        backend_.run_compute(program_.seconds[i]);
+        compute_s_ += program_.seconds[i];
+        break;
+      case ReplayCode::recompute:
+        backend_.run_compute(program_.seconds[i]);
+        recompute_s_ += program_.seconds[i];
+        break;
+      case ReplayCode::alloc: alloc(id); break;
+      case ReplayCode::free: free(id); break;
+      case ReplayCode::pack: pack(id); break;
+      case ReplayCode::release: release(id); break;
+      case ReplayCode::unpack: unpack(id); break;
+      case ReplayCode::offload_sync: offload(id, /*wait=*/true); break;
+      case ReplayCode::offload_async: offload(id, /*wait=*/false); break;
+      case ReplayCode::restore: restore(id); break;
+      case ReplayCode::prefetch: prefetch(id); break;
+      default: throw std::invalid_argument("replay: unknown instruction code " + std::to_string(program_.codes[i]));
+    }
+  }
+
+  void alloc(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.device != nullptr || t.entry) return;  // already live (a prologue tensor)
+    t.device = device_.allocate(bytes_of(id));
+  }
+
+  void free(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.entry) {
+      manager_.unregister_entry(t.entry.get());
+      t.entry->free_device_copy();
+      t.entry.reset();
+    }
+    if (t.device != nullptr) device_.deallocate(t.device);
+    t.device = nullptr;
+    if (t.host != nullptr) host_tier_.deallocate(t.host);
+    t.host = nullptr;
+    t.restore_done.reset();
+    if (t.offload_done) {
+      t.offload_done->wait();  // a copy cannot outlive its source
+      t.offload_done.reset();
+    }
+  }
+
+  void pack(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.entry) {
+      manager_.touch(t.entry.get());
+      return;
+    }
+    if (t.device == nullptr) return;  // not device-resident: nothing to manage
+    t.entry = std::make_unique<SimulatedActivation>(bytes_of(id), device_, t.device);
+    t.device = nullptr;
+    manager_.register_entry(t.entry.get());
+  }
+
+  void release(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.entry) {
+      t.entry->set_referenced(false);
+    } else if (t.host != nullptr && t.device != nullptr) {
+      // An offloaded tensor: its device copy goes once the D2H copy is done.
+      if (t.offload_done && !t.offload_done->ready()) {
+        pending_frees_.add(t.offload_done, t.device);
+      } else {
+        device_.deallocate(t.device);
+      }
+      t.device = nullptr;
+    }
+  }
+
+  void unpack(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (!t.entry) return;
+    manager_.materialize(t.entry.get(), nullptr);
+    t.entry->set_referenced(true);
+    manager_.unpin(t.entry.get());
+  }
+
+  void offload(int64_t id, bool wait) {
+    SimTensor& t = tensors_[id];
+    if (t.device == nullptr || t.host != nullptr) return;
+    t.host = host_tier_.allocate(bytes_of(id));
+    EventPtr done = backend_.copy_to_host(t.host, t.device, bytes_of(id), nullptr);
+    if (wait) {
+      backend_.stream_wait(nullptr, done);
+    } else {
+      t.offload_done = std::move(done);
+    }
+  }
+
+  void prefetch(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.device != nullptr || t.host == nullptr) return;
+    t.device = device_.allocate(bytes_of(id));
+    t.restore_done = backend_.copy_to_device(t.device, t.host, bytes_of(id), nullptr);
+  }
+
+  void restore(int64_t id) {
+    SimTensor& t = tensors_[id];
+    if (t.host == nullptr) return;
+    if (t.device == nullptr) prefetch(id);
+    if (t.restore_done) {
+      backend_.stream_wait(nullptr, t.restore_done);
+      t.restore_done.reset();
+    }
+  }
+
+  // Entries must leave the manager before it (and the allocator) go away.
+  void release_everything() {
+    for (size_t id = 0; id < tensors_.size(); ++id) {
+      try {
+        free(static_cast<int64_t>(id));
+      } catch (...) {
+        // Tearing down after a failed replay: nothing left to report to.
+      }
+    }
+    pending_frees_.evict(0, nullptr);
+    device_.set_evictor(nullptr);
+  }
+
+  const ReplayProgram& program_;
+  const ReplayConfig& config_;
+  SimBackend backend_;
+  CachingAllocator device_;
+  CachingAllocator host_tier_;
+  ResidencyManager manager_;
+  PendingFrees pending_frees_;
+  std::vector<SimTensor> tensors_;
+  double start_time_ = 0.0, start_stall_ = 0.0;
+  size_t start_d2h_ = 0, start_h2d_ = 0;
+  double compute_s_ = 0.0, recompute_s_ = 0.0;
+};
+
+}  // namespace
+
+ReplayResult replay(const ReplayProgram& program, const ReplayConfig& config) {
+  const size_t n = program.codes.size();
+  if (program.tensors.size() != n || program.seconds.size() != n || program.prologue_length > n) {
+    throw std::invalid_argument("replay: codes, tensors and seconds must have one entry per instruction");
+  }
+  Replayer replayer(program, config);
+  return replayer.run();
+}
+
+}  // namespace membudget
