@@ -16,6 +16,7 @@ time over the optimal step time (compute plus the floor's overhead).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -55,8 +56,11 @@ class SimRow:
     error: str = ""
 
     def to_dict(self) -> Dict[str, object]:
-        """Plain data (for ``--json``)."""
-        return dataclasses.asdict(self)
+        """Plain data (for ``--json``; an infeasible row's ratio is None)."""
+        data = dataclasses.asdict(self)
+        if not math.isfinite(self.overhead_ratio):
+            data["overhead_ratio"] = None
+        return data
 
 
 def policies() -> List[str]:
@@ -154,7 +158,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             peak_reserved_bytes=int(r["peak_reserved_bytes"]), compute_s=float(r["compute_s"]),
             stall_s=float(r["stall_s"]), recompute_s=float(r["recompute_s"]),
             swap_bytes=int(r["swap_out_bytes"]) + int(r["swap_in_bytes"]),
-            overhead_ratio=step / base if base > 0 else 1.0, step_s=step, floor_s=floors.get(b),
+            overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf, step_s=step, floor_s=floors.get(b),
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:
