@@ -10,30 +10,29 @@ simulator runs is always a feasible point of the program.
 Note [The floor's program] (also in docs/simulator.md). A managed tensor
 (saved activation >= ``min_tensor_bytes``) must be resident from its producer
 until forward is done with it, and during each backward op that unpacks it.
-Between those intervals lie *gaps*. Per gap ``g`` (tensor of ``b`` bytes,
-ending at a use ``u``) two binaries: ``x_g`` (dropped and recomputed) and
-``w_g`` (swapped out and in), ``x_g + w_g <= 1``; the tensor counts as absent
-for the whole gap when either is set. Constraints:
+Between those intervals lie *gaps* (each ends at a use ``u``). Memory rows:
+one per stretch of ops over which the set of open gaps is constant, at its
+worst op ``t`` (it dominates the rest); only rows over the budget matter.
+Variables, per (gap g, row k): ``s`` (absent at ``t`` by swap) and ``x``
+(absent by recompute), ``s + x <= 1``; per gap ``y >= x`` (recomputed, at the
+producer's modelled duration ``c``, shared among an op's managed outputs) and
+``z >= s`` (swapped in); the overhead ``O`` (recompute plus stall seconds).
 
-* memory, at every op ``t``: unmanaged live bytes + tensors that must be
-  resident + sum over gaps around ``t`` of ``(1 - x_g - w_g) * b <= budget``
-  (only the worst op between consecutive gap boundaries is kept: it
-  dominates the others);
-* host link: a swapped-in tensor must have crossed the link before its use,
-  and copies in one direction are serial, so for each use ``u``:
-  ``O >= sum_{w_g, use <= u} b / link - start(u)``, with ``O`` the overhead
-  (recompute plus stall) and ``start(u)`` the compute time before ``u``;
-  likewise for the copy out of each tensor's first swapped gap;
-* ``O >= sum_g c_g x_g`` with ``c_g`` the producer op's modelled duration.
+* memory, per row: ``sum (s + x) * bytes >= live bytes - budget``;
+* copy out, per row: what is absent by swap at ``t`` has crossed the link by
+  then, copies in one direction being serial:
+  ``sum s * bytes / link <= start(t) + O``;
+* copy in, per use ``u``: ``sum_{use <= u} z * bytes / link <= start(u) + O``;
+* ``O >= sum c * y``.
 
-Minimise ``O``. Every simplification relaxes (a real policy keeps a tensor
-for part of a gap, pays for its ancestors when recomputing, holds copies in
-flight, rounds allocations), so the optimum is a lower bound on any policy's
-stall plus recompute time. Up to ``max_binaries`` binaries the program is
-solved exactly (or to HiGHS's proven dual bound at the time limit); beyond,
-its LP relaxation is solved, and beyond ``max_constraint_terms`` only the
-highest-memory constraints are kept: both are still lower bounds (the
-``method`` field says which was used).
+Minimise ``O``. Every simplification relaxes (a recompute does not pay for
+evicted ancestors, copies in flight hold no memory, allocations are not
+rounded), so the optimum is a lower bound on any policy's stall plus
+recompute time, the simulator's included. Up to ``max_binaries`` binaries it
+is solved exactly (or to HiGHS's proven dual bound at the time limit);
+beyond, as its LP relaxation, and beyond ``max_pairs`` (gap, row) pairs only
+the rows with the largest deficits are kept: still lower bounds (``method``
+says which: ``milp``, ``lp``, ``lp-coarse``).
 """
 from __future__ import annotations
 
@@ -105,7 +104,7 @@ def _unmanaged_bytes(trace: Trace, managed: set) -> np.ndarray:
 def optimal(trace: Trace, budget: int, device: Union[str, costs.DeviceModel] = "h200", *,
             min_tensor_bytes: int = 1 << 20, durations: Optional[Sequence[float]] = None,
             time_limit_s: float = 60.0, max_binaries: int = 4000,
-            max_constraint_terms: int = 2_000_000) -> OptimalSolution:
+            max_pairs: int = 6_000) -> OptimalSolution:
     """The optimal (least) recompute-plus-stall overhead of ``trace`` under
     ``budget`` bytes on ``device`` (Note [The floor's program] in the module
     doc). ``durations`` default to :func:`membudget.replay_program.op_durations`.
@@ -122,108 +121,120 @@ def optimal(trace: Trace, budget: int, device: Union[str, costs.DeviceModel] = "
     base = _unmanaged_bytes(trace, set(managed)) + forced
     start = np.concatenate([[0.0], np.cumsum(durations)])
     G = len(gaps)
-    method = "milp" if 2 * G <= max_binaries else "lp"
+    method = "milp"
 
     def solution(feasible, overhead, exact, message="", rec=(), swp=()):
         return OptimalSolution(budget, feasible, overhead, compute, method, exact, G, list(rec), list(swp), message)
 
-    if base.max(initial=0) > budget and G == 0:
-        return solution(False, float("inf"), True, "unmanaged memory alone exceeds the budget")
-    # Memory rows: one per interval between gap boundaries, at its worst op.
+    # Memory rows: one per interval between gap boundaries, at its worst op
+    # (the set of gaps around an op is constant inside an interval).
     boundaries = sorted({0, len(trace.ops)} | {a for _, a, _, _ in gaps} | {b + 1 for _, _, b, _ in gaps})
-    rows, cols, vals, upper = [], [], [], []
-    intervals = []
-    for lo, hi in zip(boundaries, boundaries[1:]):
-        if hi <= lo:
-            continue
-        worst = lo + int(np.argmax(base[lo:hi]))
-        intervals.append(worst)
-    active = [[] for _ in intervals]
-    starts = np.array(intervals)
-    for g, (tid, a, b, _) in enumerate(gaps):
-        lo, hi = np.searchsorted(starts, a), np.searchsorted(starts, b, side="right")
-        for k in range(lo, hi):
+    worst = [lo + int(np.argmax(base[lo:hi])) for lo, hi in zip(boundaries, boundaries[1:]) if hi > lo]
+    starts = np.array(worst)
+    active: List[List[int]] = [[] for _ in worst]
+    for g, (_, a, b, _) in enumerate(gaps):
+        for k in range(int(np.searchsorted(starts, a)), int(np.searchsorted(starts, b, side="right"))):
             active[k].append(g)
-    # Keep the highest-memory rows when there are too many terms (a relaxation).
-    order = sorted(range(len(intervals)), key=lambda k: -(base[intervals[k]] +
-                                                         sum(trace.tensors[gaps[g][0]].bytes for g in active[k])))
-    terms, kept = 0, []
-    for k in order:
-        if terms + 2 * len(active[k]) > max_constraint_terms:
+    size = np.array([trace.tensors[tid].bytes for tid, _, _, _ in gaps], dtype=float)
+    deficit = {}
+    for k, t in enumerate(worst):
+        need = base[t] + sum(size[g] for g in active[k]) - budget
+        if need > 0:
+            if not active[k]:
+                return solution(False, float("inf"), True, f"op {t} needs {int(base[t])} bytes that cannot move")
+            if sum(size[g] for g in active[k]) < need:
+                return solution(False, float("inf"), True, f"op {t}: moving everything still exceeds the budget")
+            deficit[k] = need
+    # Too many (gap, row) pairs: keep the rows with the largest deficits (a relaxation).
+    rows_kept = sorted(deficit, key=lambda k: -deficit[k])
+    pairs, kept = 0, []
+    for k in rows_kept:
+        if pairs + len(active[k]) > max_pairs:
             method = "lp-coarse"
             continue
-        terms += 2 * len(active[k])
+        pairs += len(active[k])
         kept.append(k)
-    # Variables: x_0..x_{G-1}, w_0..w_{G-1}, O.
-    nv = 2 * G + 1
+    if method == "milp" and 2 * pairs > max_binaries:
+        method = "lp"
+    # Variables: per kept (gap, row) pair s (absent by swap) and x (absent by
+    # recompute); per gap y (recomputed) and z (swapped in); per use point the
+    # cumulative H2D seconds H; the overhead O.
+    pair_index = [(g, k) for k in kept for g in active[k]]
+    P, n_use = len(pair_index), 0
+    uses = sorted({u for _, _, _, u in gaps})
+    use_pos = {u: j for j, u in enumerate(uses)}
+    n_use = len(uses)
+    S, X, Y, Z, H, O = 0, P, 2 * P, 2 * P + G, 2 * P + 2 * G, 2 * P + 2 * G + n_use
+    nv = O + 1
+    rows, cols, vals, lower, upper = [], [], [], [], []
     r = 0
-    for k in kept:
-        worst = intervals[k]
-        present = base[worst] + sum(trace.tensors[gaps[g][0]].bytes for g in active[k])
-        if present <= budget:
-            continue
-        if not active[k]:
-            return solution(False, float("inf"), True, f"op {worst} needs {int(base[worst])} bytes resident")
-        for g in active[k]:
-            size = trace.tensors[gaps[g][0]].bytes
-            rows += [r, r]
-            cols += [g, G + g]
-            vals += [-size, -size]
-        upper.append(budget - present)  # -(x+w)*b summed <= budget - all-resident bytes
+
+    def row(entries, lo, hi):
+        nonlocal r
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        lower.append(lo)
+        upper.append(hi)
         r += 1
-    lower = [-np.inf] * r
-    # x_g + w_g <= 1
-    for g in range(G):
-        rows += [r, r]
-        cols += [g, G + g]
-        vals += [1, 1]
-        lower.append(-np.inf)
-        upper.append(1)
-        r += 1
-    # O - sum c_g x_g >= 0
-    cost = [float(durations[trace.tensors[tid].producer]) for tid, _, _, _ in gaps]
-    rows += [r] * (G + 1)
-    cols += [*range(G), 2 * G]
-    vals += [-c for c in cost] + [1]
-    lower.append(0)
-    upper.append(np.inf)
-    r += 1
-    # Host link, H2D: O - sum_{use <= u} w_g b/link >= -start(u), one row per use point.
-    link = model.link_bytes_per_s
-    by_use = sorted(range(G), key=lambda g: gaps[g][3])
-    for k, g in enumerate(by_use):
-        if k + 1 < G and gaps[by_use[k + 1]][3] == gaps[g][3]:
-            continue  # one row per distinct use op, after all gaps ending there
-        members = by_use[:k + 1]
-        rows += [r] * (len(members) + 1)
-        cols += [G + m for m in members] + [2 * G]
-        vals += [-trace.tensors[gaps[m][0]].bytes / link for m in members] + [1]
-        lower.append(-start[gaps[g][3]])
-        upper.append(np.inf)
-        r += 1
-        if len(rows) > 4 * max_constraint_terms:
-            break
+
+    # Scaled units (HiGHS is slow on coefficients 1e9 apart): bytes in units
+    # of the largest managed tensor, seconds in units of the compute time.
+    unit_b = float(size.max()) if G else 1.0
+    unit_s = compute if compute > 0 else 1.0
+    size_s = size / unit_b
+    link = model.link_bytes_per_s * unit_s / unit_b  # scaled bytes per scaled second
+    start_s = start / unit_s
+    by_row: dict = {}
+    for p, (g, k) in enumerate(pair_index):
+        by_row.setdefault(k, []).append((p, g))
+        row([(S + p, 1), (X + p, 1)], -np.inf, 1)          # one way of being absent
+        row([(Y + g, 1), (X + p, -1)], 0, np.inf)          # absent by recompute => recomputed
+        row([(Z + g, 1), (S + p, -1)], 0, np.inf)          # absent by swap => swapped in
+    for k, members in by_row.items():
+        row([(S + p, size_s[g]) for p, g in members] + [(X + p, size_s[g]) for p, g in members],
+            deficit[k] / unit_b, np.inf)
+        # Copied out before the op at this row: D2H seconds <= start + O.
+        row([(O, 1)] + [(S + p, -size_s[g] / link) for p, g in members], -start_s[worst[k]], np.inf)
+    producers: dict = {}
+    for tid, _, _, _ in gaps:
+        producers[trace.tensors[tid].producer] = producers.get(trace.tensors[tid].producer, 0) + 1
+    # An op producing several managed tensors is recomputed once: share its cost.
+    cost = [float(durations[trace.tensors[tid].producer]) / producers[trace.tensors[tid].producer] / unit_s
+            for tid, _, _, _ in gaps]
+    row([(O, 1)] + [(Y + g, -cost[g]) for g in range(G)], 0, np.inf)
+    by_use: dict = {}
+    for g, (_, _, _, u) in enumerate(gaps):
+        by_use.setdefault(use_pos[u], []).append(g)
+    for j, u in enumerate(uses):
+        # H_j = H_{j-1} + swapped-in seconds needed at use u; O >= H_j - start(u).
+        entries = [(H + j, 1)] + ([(H + j - 1, -1)] if j else [])
+        entries += [(Z + g, -size_s[g] / link) for g in by_use.get(j, [])]
+        row(entries, 0, 0)
+        row([(O, 1), (H + j, -1)], -start_s[u], np.inf)
     c = np.zeros(nv)
-    c[-1] = 1.0
+    c[O] = 1.0
     integrality = np.zeros(nv)
     if method == "milp":
-        integrality[:2 * G] = 1
-    constraints = LinearConstraint(csr_matrix((vals, (rows, cols)), shape=(r, nv)), lower, upper)
-    result = milp(c, constraints=constraints, integrality=integrality,
-                  bounds=Bounds(np.zeros(nv), np.concatenate([np.ones(2 * G), [np.inf]])),
+        integrality[:2 * P] = 1
+    ub = np.concatenate([np.ones(2 * P + 2 * G), np.full(n_use + 1, np.inf)])
+    result = milp(c, constraints=LinearConstraint(csr_matrix((vals, (rows, cols)), shape=(r, nv)), lower, upper),
+                  integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
                   options={"time_limit": time_limit_s, "disp": False})
     if result.status == 2:
         return solution(False, float("inf"), True, "no swap/recompute schedule fits the budget")
     if result.x is None:
         bound = getattr(result, "mip_dual_bound", None)
         if bound is not None and np.isfinite(bound):
-            return solution(True, float(bound), False, f"time limit: dual bound ({result.message})")
+            return solution(True, max(0.0, float(bound)) * unit_s, False, f"time limit: dual bound ({result.message})")
         return solution(False, float("nan"), False, f"solver gave no answer: {result.message}")
     exact = method == "milp" and result.status == 0
     overhead = float(result.fun)
     if method == "milp" and result.status != 0:
         overhead = float(getattr(result, "mip_dual_bound", overhead))
+    overhead *= unit_s
     x = result.x
-    rec = [(gaps[g][0], gaps[g][3]) for g in range(G) if x[g] > 0.5] if exact else []
-    swp = [(gaps[g][0], gaps[g][3]) for g in range(G) if x[G + g] > 0.5] if exact else []
+    rec = [(gaps[g][0], gaps[g][3]) for g in range(G) if x[Y + g] > 0.5] if exact else []
+    swp = [(gaps[g][0], gaps[g][3]) for g in range(G) if x[Z + g] > 0.5] if exact else []
     return solution(True, max(0.0, overhead), exact, str(result.message), rec, swp)
