@@ -90,9 +90,9 @@ def test_bad_budget_exits_2_naming_flag_and_value(capsys, script, isolated_proce
 
 def test_rejected_policy_flag_says_why(capsys, script, isolated_process_state):
     with pytest.raises(SystemExit) as exited:
-        cli.main(["run", "--policy", "dtr", str(script)])
+        cli.main(["run", "--policy", "belady", str(script)])
     assert exited.value.code == 2
-    assert "needs recomputation" in capsys.readouterr().err
+    assert "delta, dtr, msps, lru, largest" in capsys.readouterr().err
 
 
 def test_bad_environment_is_reported_before_running(capsys, script, isolated_process_state, monkeypatch):

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from membudget.config import (
-    FUTURE_POLICIES,
     LOG_CHANNELS,
     POLICIES,
     VARIABLES,
@@ -103,7 +102,7 @@ def test_defaults():
     assert config.host_budget_bytes == physical_memory_bytes() // 2
     assert config.policy == "delta"
     assert config.actions == "both"
-    assert config.effective_actions == "swap"
+    assert config.records_lineage
     assert config.min_tensor_bytes == MiB
     assert config.prefetch_bytes == 256 * MiB
     assert config.high_watermark == 0.8
@@ -129,7 +128,7 @@ def test_all_variables_from_env():
     assert config.host_budget_bytes == 4 * GiB
     assert config.policy == "lru"
     assert config.actions == "swap"
-    assert config.effective_actions == "swap"
+    assert not config.records_lineage
     assert config.min_tensor_bytes == 64 * KiB
     assert config.prefetch_bytes == 0
     assert config.high_watermark == 0.5
@@ -173,7 +172,7 @@ def test_host_budget_percentage_is_of_physical_ram():
         ("MEMBUDGET_POLICY", "fifo"),
         ("MEMBUDGET_POLICY", ""),
         ("MEMBUDGET_ACTIONS", "drop"),
-        ("MEMBUDGET_ACTIONS", "recompute"),
+        ("MEMBUDGET_ACTIONS", "drop"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "-1"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "1MB of stuff"),
         ("MEMBUDGET_MIN_TENSOR_BYTES", "50%"),
@@ -195,34 +194,23 @@ def test_bad_values_name_variable_and_value(variable, value):
     assert f"{variable}={value!r}" in str(caught.value)
 
 
-def test_policies_and_future_policies_are_disjoint():
-    assert POLICIES == ("delta", "lru", "largest")
-    assert FUTURE_POLICIES == ("dtr", "msps")
+def test_every_policy_is_accepted():
+    assert POLICIES == ("delta", "dtr", "msps", "lru", "largest")
     for policy in POLICIES:
-        assert Config.from_env({"MEMBUDGET_POLICY": policy}).policy == policy
+        assert Config.from_env({"MEMBUDGET_POLICY": policy.upper()}).policy == policy
 
 
-@pytest.mark.parametrize("policy", ["dtr", "msps", "DTR"])
-def test_recomputation_policies_are_rejected_with_the_reason(policy):
+def test_unknown_policy_lists_the_accepted_ones():
     with pytest.raises(ConfigError) as caught:
-        Config.from_env({"MEMBUDGET_POLICY": policy})
-    message = str(caught.value)
-    assert f"MEMBUDGET_POLICY={policy!r}" in message
-    assert "needs recomputation" in message and "not available yet" in message
-    assert "delta, lru, largest" in message
+        Config.from_env({"MEMBUDGET_POLICY": "belady"})
+    assert "delta, dtr, msps, lru, largest" in str(caught.value)
 
 
-def test_recompute_action_is_rejected_with_the_reason():
-    with pytest.raises(ConfigError) as caught:
-        Config.from_env({"MEMBUDGET_ACTIONS": "recompute"})
-    assert "MEMBUDGET_ACTIONS='recompute'" in str(caught.value)
-    assert "recomputation is not available yet in this build; use swap or both" in str(caught.value)
-
-
-def test_both_actions_behave_as_swap():
-    config = Config.from_env({"MEMBUDGET_ACTIONS": "Both"})
-    assert config.actions == "both"
-    assert config.effective_actions == "swap"
+@pytest.mark.parametrize("actions", ["swap", "recompute", "Both"])
+def test_every_action_is_accepted(actions):
+    config = Config.from_env({"MEMBUDGET_ACTIONS": actions})
+    assert config.actions == actions.lower()
+    assert config.records_lineage == (actions.lower() != "swap")
 
 
 def test_overrides_win_over_env():

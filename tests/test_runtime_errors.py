@@ -80,8 +80,10 @@ def test_install_rejects_bad_arguments_clearly():
         membudget.install(budget="12 potatoes")
     with pytest.raises(membudget.ConfigError, match="policy"):
         membudget.install(budget="1GiB", policy="fifo")
-    with pytest.raises(membudget.ConfigError, match="recompute"):
-        membudget.install(budget="1GiB", actions="recompute")
+    with pytest.raises(membudget.ConfigError, match="swap, recompute or both"):
+        membudget.install(budget="1GiB", actions="drop")
+    with pytest.raises(ValueError, match="needs recomputation"):
+        membudget.install(budget="1GiB", actions="swap", plan=object())
     assert not membudget.is_installed()
 
 

@@ -358,6 +358,38 @@ size_t CachingAllocator::largest_free_or_reservable() const {
   return std::max(largest_free, reservable);
 }
 
+size_t CachingAllocator::usable_range_at(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const size_t reserved = impl_->reserved_bytes.load();
+  const size_t headroom = impl_->budget > reserved ? impl_->budget - reserved : 0;
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  auto segment = impl_->segments.upper_bound(address);
+  if (segment == impl_->segments.begin()) return headroom;
+  --segment;
+  if (address >= segment->first + segment->second.size) return headroom;
+  const Block* block = segment->second.head;
+  while (block != nullptr && reinterpret_cast<uintptr_t>(block->ptr) + block->size <= address) block = block->next;
+  if (block == nullptr) return 0;
+  const bool counts_as_free = block->is_free() || (block->allocated && block->ptr == ptr);
+  if (!counts_as_free) return 0;
+  size_t range = block->size;
+  bool spans = block->spans_segment();
+  if (block->allocated) {  // as if deallocated: merge with free neighbours
+    const Block* first = block;
+    const Block* last = block;
+    if (block->prev != nullptr && block->prev->is_free()) {
+      range += block->prev->size;
+      first = block->prev;
+    }
+    if (block->next != nullptr && block->next->is_free()) {
+      range += block->next->size;
+      last = block->next;
+    }
+    spans = first->prev == nullptr && last->next == nullptr;
+  }
+  return spans ? range + headroom : range;
+}
+
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   AllocatorStats result = impl_->stats;

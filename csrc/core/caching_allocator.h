@@ -127,6 +127,16 @@ class CachingAllocator {
   // the largest cached free block (on its own stream) or what the budget
   // leaves once cached free segments are released, whichever is larger.
   size_t largest_free_or_reservable() const;
+  // Note [Usable ranges]: what a request could use once memory is freed. For
+  // a live block at ptr: the block plus its free neighbours, as one range if
+  // it were deallocated now. For any other address: the free range that
+  // contains it now, or 0 when it lies in an allocated block. A range that
+  // spans its whole segment counts with the budget headroom added (the
+  // segment could be released and one larger segment reserved); an address in
+  // no segment (its segment was released) counts as the headroom alone.
+  // Allocator-aware eviction uses this to prefer victims that make a large
+  // request fit, and to count evictions that freed nothing usable.
+  size_t usable_range_at(const void* ptr) const;
 
   AllocatorStats stats() const;
   void reset_peak_stats();

@@ -4,28 +4,41 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "event.h"
 
 namespace membudget {
 
-// resident -> swapping_out -> resident+host copy -> host -> swapping_in -> resident.
+// resident -> swapping_out -> resident+host copy -> host -> swapping_in -> resident,
+// or resident -> dropped -> recomputing -> resident (Note [Recompute]).
 // Note [Host copies]: a storage is only copied to host while nothing but the
 // manager references it, so nobody can write it afterwards; a host copy once
 // complete therefore stays valid for the entry's life, and evicting an entry
 // that has one only frees its device memory.
-enum class Residency : uint8_t { resident, swapping_out, host, swapping_in };
+//
+// Note [Recompute]: a dropped entry has no copy anywhere; the torch binding
+// rebuilds it by replaying the ops that produced it (python/membudget/lineage.py).
+// The manager never calls that code itself: materialize() of a dropped entry
+// marks it recomputing and returns nullptr, the binding replays the ops
+// without any manager lock held (the replay allocates, and may evict), then
+// attaches the new storage and calls complete_recompute(). An entry is
+// droppable only after the binding declared it recomputable
+// (set_recompute_info), with its replay cost and the entries it reads.
+enum class Residency : uint8_t { resident, swapping_out, host, swapping_in, dropped, recomputing };
 
 const char* residency_name(Residency state);
 
 class ResidencyEntry {
  public:
-  explicit ResidencyEntry(size_t bytes) : bytes_(bytes) {}
+  explicit ResidencyEntry(size_t bytes);
   virtual ~ResidencyEntry() = default;
   ResidencyEntry(const ResidencyEntry&) = delete;
   ResidencyEntry& operator=(const ResidencyEntry&) = delete;
 
   size_t bytes() const { return bytes_; }
+  // Process-unique id (never reused): how the binding's lineage names it.
+  uint64_t id() const { return id_; }
 
   // True while anything besides the manager holds the storage: a tensor of the
   // forward pass, an op that is using it. Such an entry is never evicted.
@@ -41,6 +54,7 @@ class ResidencyEntry {
  private:
   friend class ResidencyManager;
   const size_t bytes_;
+  const uint64_t id_;
   // Everything below is guarded by the manager's mutex.
   Residency state_ = Residency::resident;
   bool registered_ = false;
@@ -52,6 +66,11 @@ class ResidencyEntry {
   uint64_t last_access_ = 0;  // logical clock
   uint64_t iteration_ = 0;
   uint64_t pack_seq_ = 0;     // order of first pack within its iteration
+  // Recompute (Note [Recompute]); set by set_recompute_info.
+  bool recomputable_ = false;
+  double replay_seconds_ = 0.0;         // its own replay, down to live or managed inputs
+  std::vector<uint64_t> inputs_;        // ids of managed entries the replay reads
+  std::vector<uint64_t> dependents_;    // ids of entries whose replay reads this one
 };
 
 }  // namespace membudget

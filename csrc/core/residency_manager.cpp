@@ -1,6 +1,7 @@
 #include "core/residency_manager.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <limits>
@@ -17,6 +18,11 @@ constexpr size_t kMaxBackgroundCopies = 8;
 // The prefetch window never exceeds this fraction of the device budget.
 constexpr double kMaxPrefetchBudgetFraction = 0.25;
 
+uint64_t next_entry_id() {
+  static std::atomic<uint64_t> counter{0};
+  return ++counter;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -29,20 +35,27 @@ const char* residency_name(Residency state) {
     case Residency::swapping_out: return "swapping_out";
     case Residency::host: return "host";
     case Residency::swapping_in: return "swapping_in";
+    case Residency::dropped: return "dropped";
+    case Residency::recomputing: return "recomputing";
   }
   return "?";
 }
 
+ResidencyEntry::ResidencyEntry(size_t bytes) : bytes_(bytes), id_(next_entry_id()) {}
+
 ResidencyManager::ResidencyManager(Backend& backend, CachingAllocator& device,
                                    CachingAllocator& host_tier, ManagerConfig config)
     : backend_(backend), device_(device), host_tier_(host_tier), config_(std::move(config)),
-      filter_(make_filter(config_.policy)) {}
+      filter_(make_filter(config_.policy)), allowed_(AllowedActions::parse(config_.actions)),
+      link_bytes_per_s_(config_.link_bytes_per_s) {}
 
 ResidencyManager::~ResidencyManager() { synchronize(); }
 
 void ResidencyManager::set_config(const ManagerConfig& config) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   filter_ = make_filter(config.policy);
+  allowed_ = AllowedActions::parse(config.actions);
+  if (config.link_bytes_per_s != config_.link_bytes_per_s) link_bytes_per_s_ = config.link_bytes_per_s;
   config_ = config;
 }
 
@@ -50,6 +63,8 @@ void ResidencyManager::register_entry(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   if (unpacked_since_pack_) {  // Note [Iterations]
+    packs_last_iteration_ = packs_this_iteration_;
+    last_pack_ = {};
     ++iteration_;
     order_.begin_iteration();
     by_seq_.clear();
@@ -63,7 +78,10 @@ void ResidencyManager::register_entry(ResidencyEntry* entry) {
   entry->pack_seq_ = packs_this_iteration_++;
   entry->last_access_ = ++clock_;
   entries_.insert(entry);
+  by_id_[entry->id()] = entry;
   by_seq_.push_back(entry);
+  note_interval(pack_interval_s_, last_pack_);
+  drop_planned();
   maybe_start_background_swaps();
 }
 
@@ -88,6 +106,12 @@ void ResidencyManager::unregister_entry(ResidencyEntry* entry) {
   if (entry->iteration_ == iteration_ && entry->pack_seq_ < by_seq_.size()) {
     by_seq_[entry->pack_seq_] = nullptr;
   }
+  if (entry->state_ == Residency::dropped || entry->state_ == Residency::recomputing) {
+    neighbourhoods_.remove(entry->id(), entry->replay_seconds_);
+    --dropped_entries_;
+  }
+  planned_.erase(std::remove(planned_.begin(), planned_.end(), entry), planned_.end());
+  by_id_.erase(entry->id());
   entries_.erase(entry);
   entry->registered_ = false;
 }
@@ -130,6 +154,14 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry) {
     // Never unpacked again in the last iteration: as far away as it gets.
     c.next_use_distance = next < 0 ? order_.predicted_length() + 1 : next - now;
   }
+  c.recomputable = entry->recomputable_;
+  if (entry->recomputable_) {
+    std::vector<uint64_t> visited;
+    c.recompute_seconds = recompute_total(entry, visited);
+    c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
+  }
+  c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
+  c.cost_seconds = decide_for(entry, c).chosen_seconds();
   return c;
 }
 
@@ -139,6 +171,7 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
     EvictionCandidate c = make_candidate(entry);
+    if (decide_for(entry, c).action == EvictionAction::none) continue;
     // While prefetching, only tensors needed later than the prefetched one may go.
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
     scored.emplace_back(filter_->score(c, context), c);
@@ -196,16 +229,20 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
     entry->copy_event_->wait();
     finish_copy(entry);
   }
+  const EvictionCandidate candidate = make_candidate(entry);
+  const Decision decision = decide_for(entry, candidate);
+  if (config_.log_decisions) log_decision(entry, candidate, decision);
+  if (decision.action == EvictionAction::none) return 0;
+  if (decision.action == EvictionAction::recompute) return drop_for_recompute(entry, decision.reason);
   if (!entry->host_valid_) {
-    if (!ensure_host_slot(entry)) return 0;
+    if (!ensure_host_slot(entry)) {
+      // The director saw room that another entry took since: recompute if it may.
+      return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry, "host tier full") : 0;
+    }
+    auto start = std::chrono::steady_clock::now();
     copy_out(entry, stream)->wait();
+    note_copy_time(entry->bytes(), seconds_since(start));
     entry->host_valid_ = true;
-  }
-  if (config_.log_decisions) {
-    EvictionCandidate c = make_candidate(entry);
-    std::fprintf(stderr, "membudget: evict %s iteration=%llu seq=%llu next_use=%lld policy=%s\n",
-                 format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->iteration_,
-                 (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance, filter_->name());
   }
   entry->drop_device_copy();
   entry->state_ = Residency::host;
@@ -219,6 +256,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   size_t freed = 0;
+  std::vector<const void*> released;  // block addresses, for evictions_wasted
   for (int pass = 0; pass < 2 && freed < bytes_needed; ++pass) {
     if (pass == 1) {
       // Copies in flight pin their entries (a prefetch being swapped in, a
@@ -227,10 +265,29 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
       if (in_flight_.empty()) break;
       synchronize();
     }
-    for (const EvictionCandidate& c : candidates(eviction_horizon_)) {
-      if (freed >= bytes_needed) break;
-      freed += release_device_copy(c.entry, stream);
+    std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_);
+    // Allocator-aware (Coop): freeing the best-scored victims may leave a
+    // large request in pieces. First look, in the filter's order, for one
+    // victim whose block merges with free neighbours into a range that fits.
+    if (bytes_needed > kSmallSize) {
+      for (const EvictionCandidate& c : ordered) {
+        const void* block = c.entry->device_data();
+        if (device_.usable_range_at(block) < bytes_needed) continue;
+        size_t bytes = release_device_copy(c.entry, stream);
+        if (bytes == 0) continue;
+        return freed + bytes;  // it fits now: nothing else needs to go
+      }
     }
+    for (const EvictionCandidate& c : ordered) {
+      if (freed >= bytes_needed) break;
+      const void* block = c.entry->device_data();
+      size_t bytes = release_device_copy(c.entry, stream);
+      if (bytes > 0) released.push_back(block);
+      freed += bytes;
+    }
+  }
+  for (const void* block : released) {
+    if (device_.usable_range_at(block) < bytes_needed) ++counters_.evictions_wasted;
   }
   return freed;
 }
@@ -265,7 +322,9 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
   counters_.swap_in_bytes += entry->bytes();
   ++counters_.swap_in_count;
   if (wait) {
+    auto start = std::chrono::steady_clock::now();
     backend_.stream_wait(stream, done);
+    note_copy_time(entry->bytes(), seconds_since(start));
     entry->state_ = Residency::resident;
   } else {
     entry->copy_event_ = std::move(done);
@@ -279,6 +338,8 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   entry->last_access_ = ++clock_;
+  note_interval(unpack_interval_s_, last_unpack_);
+  last_pack_ = {};
   unpacked_since_pack_ = true;
   if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
   const bool was_prefetched = clear_prefetch(entry);
@@ -303,6 +364,12 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       counters_.stall_seconds += seconds_since(start);
       break;
     }
+    case Residency::dropped:
+    case Residency::recomputing:  // another thread replays it too: both replay (rare)
+      entry->state_ = Residency::recomputing;
+      ++entry->pins_;  // released by unpin() after complete_recompute()
+      issue_prefetches(stream);
+      return nullptr;
   }
   ++entry->pins_;  // released by unpin() once the caller references the storage
   issue_prefetches(stream);
@@ -356,6 +423,7 @@ void ResidencyManager::issue_prefetches(Stream stream) {
 void ResidencyManager::maybe_start_background_swaps() {
   const size_t budget = device_.budget();
   if (budget == 0 || budget == std::numeric_limits<size_t>::max() || config_.high_watermark >= 1.0) return;
+  if (!allowed_.swap) return;  // actions=recompute: nothing may go to host
   const size_t threshold = static_cast<size_t>(config_.high_watermark * static_cast<double>(budget));
   const size_t allocated = device_.stats().allocated_current;
   if (allocated <= threshold) return;
@@ -393,11 +461,17 @@ ManagerStats ResidencyManager::stats() const {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   ManagerStats s = counters_;
   s.iteration = iteration_;
+  s.dropped_bytes = 0;
+  s.link_bytes_per_s = link_bytes_per_s_;
   s.live_entries = entries_.size();
   for (const ResidencyEntry* entry : entries_) {
     if (entry->host_copy_ != nullptr) s.host_tier_bytes += entry->bytes();
     if (entry->state_ == Residency::host) {
       s.host_bytes += entry->bytes();
+      continue;
+    }
+    if (entry->state_ == Residency::dropped || entry->state_ == Residency::recomputing) {
+      s.dropped_bytes += entry->bytes();
       continue;
     }
     if (entry->state_ == Residency::swapping_in) continue;
@@ -431,6 +505,7 @@ std::string ResidencyManager::describe_evictable() const {
   std::string text = "evictable " + format_bytes(s.evictable_bytes) + " (" +
                      format_bytes(s.evictable_host_backed_bytes) + " already on host), in use by autograd/forward " +
                      format_bytes(s.in_use_bytes) + ", swapped to host " + format_bytes(s.host_bytes) +
+                     ", dropped for recompute " + format_bytes(s.dropped_bytes) +
                      ", host tier " + format_bytes(host_tier_.stats().reserved_current) + " of " +
                      format_bytes(host_tier_.budget());
   if (s.host_tier_full > 0) text += "; the host tier is full (raise MEMBUDGET_HOST_BUDGET)";

@@ -13,16 +13,20 @@
 // Pack sequence numbers restart at 0, and the unpack order of the iteration
 // that just ended becomes the prediction for prefetch and the delta filter.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/caching_allocator.h"
+#include "core/policy/director.h"
 #include "core/policy/filters.h"
+#include "core/policy/neighbourhood.h"
 #include "core/prefetcher.h"
 #include "core/residency_entry.h"
 
@@ -32,7 +36,9 @@ struct ManagerConfig {
   std::string policy = "delta";
   size_t prefetch_bytes = 256u << 20;  // 0 disables prefetch
   double high_watermark = 0.8;         // of the device budget
-  bool log_decisions = false;          // one line per eviction on stderr
+  std::string actions = "both";        // swap | recompute | both (the director's choices)
+  double link_bytes_per_s = 10e9;      // host link until copies measure it
+  bool log_decisions = false;          // one line per eviction on stderr, with its reason
 };
 
 struct ManagerStats {
@@ -55,6 +61,14 @@ struct ManagerStats {
   size_t prefetch_misses = 0;
   size_t host_tier_full = 0;         // evictions refused: host tier full
   double stall_seconds = 0.0;        // unpack waiting for a swap-in
+  size_t drop_count = 0;             // evictions that dropped (to recompute)
+  size_t dropped_bytes = 0;          // bytes now dropped (no copy anywhere)
+  size_t planned_drops = 0;          // drops a static plan asked for
+  size_t recompute_count = 0;        // dropped entries brought back by replay
+  size_t recompute_bytes = 0;
+  double recompute_seconds = 0.0;    // time spent replaying
+  size_t evictions_wasted = 0;       // evictions that freed no usable range for their request
+  double link_bytes_per_s = 0.0;     // measured host link bandwidth (EMA)
   uint64_t iteration = 0;
 };
 
@@ -75,8 +89,24 @@ class ResidencyManager final : public Evictor {
   // address; then issues prefetches for what the last iteration unpacked next.
   // The caller must reference the storage right after (so it stays resident).
   // The entry stays pinned (never evicted) until unpin().
+  // Returns nullptr when the entry is dropped: it is then marked recomputing
+  // and pinned, and the caller must replay it, attach the storage and call
+  // complete_recompute() (Note [Recompute]).
   void* materialize(ResidencyEntry* entry, Stream stream);
   void unpin(ResidencyEntry* entry);
+
+  // Declares how the binding could rebuild the entry: whether it can be
+  // replayed at all, what its own replay costs, and which managed entries
+  // (by id) the replay reads. Until called, an entry is swap-only.
+  void set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
+                          const std::vector<uint64_t>& input_ids);
+  // A static plan wants this entry dropped (not stashed): it is dropped as
+  // soon as nothing else references it. Returns false when it cannot be
+  // (not recomputable, or recomputation not allowed by the actions).
+  bool plan_drop(ResidencyEntry* entry);
+  // Ends a recompute begun by materialize(): on success the caller has
+  // attached the new device copy; `seconds` is the replay's duration.
+  void complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds);
 
   // Evictor: releases evictable entries until `bytes_needed` are freed.
   size_t evict(size_t bytes_needed, Stream stream) override;
@@ -113,6 +143,17 @@ class ResidencyManager final : public Evictor {
   void maybe_start_background_swaps();
   void issue_prefetches(Stream stream);
   bool is_evictable(const ResidencyEntry* entry) const;
+  // Recompute and the director (residency_recompute.cpp).
+  ResidencyEntry* find(uint64_t id) const;
+  double recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
+  std::vector<uint64_t> dropped_neighbours(const ResidencyEntry* entry) const;
+  double seconds_until_next_use(const EvictionCandidate& candidate) const;
+  Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate) const;
+  size_t drop_for_recompute(ResidencyEntry* entry, const char* why);
+  void drop_planned();
+  void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
+  void note_copy_time(size_t bytes, double seconds);
+  void note_interval(double& ema, std::chrono::steady_clock::time_point& last);
 
   Backend& backend_;
   CachingAllocator& device_;
@@ -122,6 +163,17 @@ class ResidencyManager final : public Evictor {
 
   mutable std::recursive_mutex mutex_;
   std::unordered_set<ResidencyEntry*> entries_;
+  std::unordered_map<uint64_t, ResidencyEntry*> by_id_;
+  std::vector<ResidencyEntry*> planned_;          // plan_drop()ped, not yet droppable
+  AllowedActions allowed_;
+  EvictedNeighbourhoods neighbourhoods_;
+  size_t dropped_entries_ = 0;                    // entries dropped or recomputing
+  double link_bytes_per_s_ = 10e9;
+  double pack_interval_s_ = 0.0;                  // EMA between packs of one forward
+  double unpack_interval_s_ = 0.0;                // EMA between unpacks of one backward
+  std::chrono::steady_clock::time_point last_pack_{};
+  std::chrono::steady_clock::time_point last_unpack_{};
+  uint64_t packs_last_iteration_ = 0;
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
   std::vector<ResidencyEntry*> by_seq_;           // this iteration's entries by pack seq
   UnpackOrder order_;

@@ -31,6 +31,8 @@ ManagerConfig manager_config(const RuntimeConfig& config) {
   m.prefetch_bytes = config.prefetch_bytes;
   m.high_watermark = config.high_watermark;
   m.log_decisions = config.log_decisions;
+  m.actions = config.actions;
+  m.link_bytes_per_s = config.link_bytes_per_s;
   return m;
 }
 
@@ -44,12 +46,14 @@ RuntimeConfig config_from_dict(const py::dict& d) {
   if (d.contains("prefetch_bytes")) c.prefetch_bytes = d["prefetch_bytes"].cast<size_t>();
   if (d.contains("high_watermark")) c.high_watermark = d["high_watermark"].cast<double>();
   if (d.contains("log_decisions")) c.log_decisions = d["log_decisions"].cast<bool>();
+  if (d.contains("link_bytes_per_s")) c.link_bytes_per_s = d["link_bytes_per_s"].cast<double>();
   return c;
 }
 
 void install_runtime(const std::string& device_kind, int device_index, const py::dict& config_dict) {
   RuntimeConfig config = config_from_dict(config_dict);
   make_filter(config.policy);  // validate before touching anything
+  AllowedActions::parse(config.actions);
   if (Runtime* runtime = Runtime::get()) {
     if (runtime->device_kind() != device_kind) {
       throw std::runtime_error("membudget: already installed for " + runtime->device_kind() +
@@ -99,8 +103,14 @@ py::dict memory_stats() {
   d["swap_in_bytes"] = m.swap_in_bytes;
   d["swap_out_count"] = m.swap_out_count;
   d["swap_in_count"] = m.swap_in_count;
-  d["recompute_count"] = size_t{0};  // recomputation is not built yet
-  d["recompute_bytes"] = size_t{0};
+  d["recompute_count"] = m.recompute_count;
+  d["recompute_bytes"] = m.recompute_bytes;
+  d["recompute_seconds"] = m.recompute_seconds;
+  d["drop_count"] = m.drop_count;
+  d["dropped_bytes"] = m.dropped_bytes;
+  d["planned_drops"] = m.planned_drops;
+  d["evictions_wasted"] = m.evictions_wasted;
+  d["link_bytes_per_s"] = m.link_bytes_per_s;
   d["evicted_bytes"] = m.evicted_bytes;
   d["eviction_count"] = m.eviction_count;
   d["background_swap_count"] = m.background_swap_count;

@@ -22,6 +22,7 @@ struct RuntimeConfig {
   size_t prefetch_bytes = 256u << 20;
   double high_watermark = 0.8;    // fraction of budget where background swap-out starts
   bool log_decisions = false;
+  double link_bytes_per_s = 10e9; // host link until copies measure it
 };
 
 class Runtime {

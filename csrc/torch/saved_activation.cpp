@@ -1,5 +1,6 @@
 #include "torch/saved_activation.h"
 
+#include <chrono>
 #include <mutex>
 #include <unordered_map>
 
@@ -15,6 +16,11 @@ namespace {
 // entry. Weak: the entry dies with its last SavedActivation.
 std::mutex g_registry_mutex;
 std::unordered_map<const c10::StorageImpl*, std::weak_ptr<StorageResidency>> g_registry;
+// Entry id -> residency, for the lineage's replays (entry_storage_tensor).
+std::unordered_map<uint64_t, std::weak_ptr<StorageResidency>> g_by_id;
+// The lineage's replay function: entry id -> a tensor whose storage is the
+// rebuilt entry. Leaked: it may be called until interpreter exit.
+py::object* g_recompute_fn = nullptr;
 
 void registry_erase(const c10::StorageImpl* impl, const StorageResidency* owner) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
@@ -48,6 +54,10 @@ StorageResidency::StorageResidency(c10::Storage storage)
 StorageResidency::~StorageResidency() {
   if (Runtime* runtime = Runtime::get()) runtime->manager().unregister_entry(this);
   if (storage_) registry_erase(storage_.unsafeGetStorageImpl(), this);
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_by_id.erase(id());
+  }
   storage_ = c10::Storage();
 }
 
@@ -70,6 +80,61 @@ void StorageResidency::attach_device_copy(void* ptr) {
                           /*allocator=*/nullptr, /*resizable=*/false);
 }
 
+void StorageResidency::adopt_recomputed(c10::Storage storage) {
+  Runtime* runtime = Runtime::get();
+  const void* data = storage.data_ptr().get();
+  TORCH_CHECK(storage.nbytes() == bytes() && storage.device() == device_,
+              "membudget: a replay rebuilt ", storage.nbytes(), " bytes on ", storage.device(), " for an entry of ",
+              bytes(), " bytes on ", device_, "; the recorded ops do not reproduce this saved tensor");
+  TORCH_CHECK(data != nullptr && runtime->device_allocator().allocation_size(data) >= bytes(),
+              "membudget: a replayed storage did not come from membudget's allocator");
+  storage_ = std::move(storage);
+}
+
+namespace {
+
+// Makes the entry resident and returns its storage: swapped in by the
+// manager, or replayed through the lineage's callback (Note [Recompute]).
+// Called with the GIL held; released while the manager may block.
+c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& residency) {
+  Runtime* runtime = Runtime::get();
+  TORCH_CHECK(runtime != nullptr, "membudget: a saved activation outlived the runtime");
+  ResidencyManager& manager = runtime->manager();
+  c10::Storage storage;
+  void* data = nullptr;
+  {
+    py::gil_scoped_release no_gil;  // a swap-in may block on a copy
+    data = manager.materialize(residency.get(), nullptr);
+    if (data != nullptr) {
+      storage = residency->storage();
+      manager.unpin(residency.get());
+    }
+  }
+  if (data != nullptr) return storage;
+  auto start = std::chrono::steady_clock::now();
+  try {
+    TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
+                "membudget: a dropped activation needs recomputation but no lineage is installed");
+    at::Tensor rebuilt = (*g_recompute_fn)(residency->id()).cast<at::Tensor>();
+    residency->adopt_recomputed(rebuilt.storage());
+  } catch (...) {
+    manager.complete_recompute(residency.get(), false, 0.0);
+    throw;
+  }
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  manager.complete_recompute(residency.get(), true, seconds);
+  storage = residency->storage();
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_registry[storage.unsafeGetStorageImpl()] = residency;
+  }
+  py::gil_scoped_release no_gil;
+  manager.unpin(residency.get());
+  return storage;
+}
+
+}  // namespace
+
 SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view)
     : residency_(std::move(residency)),
       sizes_(view.sizes().vec()),
@@ -79,15 +144,7 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       device_(view.device()) {}
 
 at::Tensor SavedActivation::unpack() const {
-  Runtime* runtime = Runtime::get();
-  TORCH_CHECK(runtime != nullptr, "membudget: a saved activation outlived the runtime");
-  c10::Storage storage;
-  {
-    py::gil_scoped_release no_gil;  // a swap-in may block on a copy
-    runtime->manager().materialize(residency_.get(), nullptr);
-    storage = residency_->storage();
-    runtime->manager().unpin(residency_.get());
-  }
+  c10::Storage storage = materialize_storage(residency_);
   at::Tensor tensor = at::empty({0}, at::TensorOptions().dtype(dtype_).device(device_));
   tensor.set_(storage, storage_offset_, sizes_, strides_);
   return tensor;
@@ -113,6 +170,7 @@ py::object pack_saved_tensor(const at::Tensor& tensor) {
     if (residency == nullptr) {
       residency = std::make_shared<StorageResidency>(tensor.storage());
       g_registry[impl] = residency;
+      g_by_id[residency->id()] = residency;
       is_new = true;
     }
   }
@@ -131,6 +189,25 @@ py::object unpack_saved_tensor(const py::object& packed) {
   return packed;
 }
 
+namespace {
+
+std::shared_ptr<StorageResidency> find_residency(uint64_t entry_id) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = g_by_id.find(entry_id);
+  return it == g_by_id.end() ? nullptr : it->second.lock();
+}
+
+}  // namespace
+
+py::object entry_storage_tensor(uint64_t entry_id) {
+  std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
+  if (residency == nullptr) return py::none();
+  c10::Storage storage = materialize_storage(residency);
+  at::Tensor bytes = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(storage.device()));
+  bytes.set_(storage, 0, {static_cast<int64_t>(storage.nbytes())}, {1});
+  return py::cast(bytes);
+}
+
 size_t live_storage_residencies() {
   Runtime* runtime = Runtime::get();
   return runtime != nullptr ? runtime->manager().stats().live_entries : 0;
@@ -140,12 +217,40 @@ void bind_saved_activation(py::module_& m) {
   py::class_<SavedActivation>(m, "SavedActivation",
                               "A saved activation under membudget's residency management.")
       .def_property_readonly("storage_bytes", &SavedActivation::storage_bytes)
+      .def_property_readonly("entry_id", &SavedActivation::entry_id)
       .def("__repr__", [](const SavedActivation& s) {
         return "<membudget.SavedActivation " + std::to_string(s.storage_bytes()) + " bytes on " + s.state() + ">";
       });
   m.def("pack", &pack_saved_tensor, "saved_tensors_hooks pack function");
   m.def("unpack", &unpack_saved_tensor, "saved_tensors_hooks unpack function");
   m.def("live_handles", &live_storage_residencies, "number of live managed storages");
+  m.def("entry_storage", &entry_storage_tensor, py::arg("entry_id"),
+        "The whole storage of a live entry, resident, as a 1-D uint8 tensor (None if not live)");
+  m.def("live_entry_ids", []() {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    std::vector<uint64_t> ids;
+    for (const auto& item : g_by_id) {
+      if (!item.second.expired()) ids.push_back(item.first);
+    }
+    return ids;
+  }, "ids of the live managed entries");
+  m.def("set_recompute_callback", [](py::object fn) {
+    if (g_recompute_fn == nullptr) g_recompute_fn = new py::object();
+    *g_recompute_fn = std::move(fn);
+  }, py::arg("fn"), "fn(entry_id) -> tensor whose storage is the replayed entry; None removes it");
+  m.def("set_recompute_info", [](uint64_t entry_id, bool recomputable, double replay_seconds,
+                                 const std::vector<uint64_t>& input_ids) {
+    Runtime* runtime = Runtime::get();
+    std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
+    if (runtime == nullptr || residency == nullptr) return;
+    runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids);
+  }, py::arg("entry_id"), py::arg("recomputable"), py::arg("replay_seconds"), py::arg("input_ids"),
+        "Declare whether and at what cost an entry's storage can be replayed, and which entries it reads");
+  m.def("plan_drop", [](uint64_t entry_id) {
+    Runtime* runtime = Runtime::get();
+    std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
+    return runtime != nullptr && residency != nullptr && runtime->manager().plan_drop(residency.get());
+  }, py::arg("entry_id"), "Drop this entry as soon as nothing else holds it (static plan)");
 }
 
 }  // namespace membudget

@@ -28,6 +28,9 @@ class StorageResidency final : public ResidencyEntry {
 
   // The storage while resident (valid after materialize(), before unpin()).
   const c10::Storage& storage() const { return storage_; }
+  // Takes a replayed storage as the new device copy (Note [Recompute]);
+  // throws if its size, device or allocator do not match.
+  void adopt_recomputed(c10::Storage storage);
 
  private:
   c10::Storage storage_;
@@ -40,6 +43,8 @@ class SavedActivation {
   // Materialises the storage (swap-in if needed) and rebuilds the view.
   at::Tensor unpack() const;
   size_t storage_bytes() const { return residency_->bytes(); }
+  uint64_t entry_id() const { return residency_->id(); }
+  StorageResidency& residency() const { return *residency_; }
   std::string state() const;
 
  private:
@@ -57,6 +62,10 @@ class SavedActivation {
 pybind11::object pack_saved_tensor(const at::Tensor& tensor);
 // The unpack hook: the inverse of pack_saved_tensor.
 pybind11::object unpack_saved_tensor(const pybind11::object& packed);
+// The whole storage of a live entry, made resident (swapped in or replayed)
+// and viewed as 1-D uint8; None when no live entry has that id. The lineage
+// reads a replay's managed inputs through this.
+pybind11::object entry_storage_tensor(uint64_t entry_id);
 // Live SavedActivation storages (for leak checks in tests).
 size_t live_storage_residencies();
 void bind_saved_activation(pybind11::module_& m);

@@ -13,6 +13,11 @@ forward in ordinary training scripts (``membudget run`` calls it on the main
 thread before the script starts). Backward may run on other threads: unpack
 works from any thread. Non-reentrant ``torch.utils.checkpoint`` regions push
 their own hooks, which win inside them (innermost wins).
+
+When recomputation is allowed (``MEMBUDGET_ACTIONS`` ``recompute`` or
+``both``), ``install()`` also enters :class:`~membudget.lineage.LineageMode`
+on that thread, so forward ops are recorded and dropped activations can be
+replayed (:mod:`membudget.replay`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ __all__ = ["install", "uninstall", "is_installed"]
 
 _state_lock = threading.Lock()
 _hooks_thread: Optional[int] = None  # ident of the thread our hooks were pushed on
+_lineage = None                      # membudget.lineage.Lineage while recording
+_lineage_mode = None                 # the entered LineageMode
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -61,6 +68,7 @@ def install(
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
     device: Optional[Union[str, torch.device]] = None,
+    plan=None,
 ) -> Config:
     """Run this process under a device-memory budget from here on.
 
@@ -74,6 +82,10 @@ def install(
     allocation); the device cannot change within a process. Install before the
     model is built: memory allocated earlier is not counted or managed. Returns
     the resolved :class:`~membudget.config.Config`.
+
+    ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
+    saved tensors to drop at pack time and recompute on use; anything it did
+    not foresee is still handled dynamically. It needs recomputation allowed.
     """
     global _hooks_thread
     config = Config.from_env(
@@ -93,12 +105,14 @@ def install(
         "budget_bytes": budget_bytes,
         "host_budget_bytes": config.host_budget_bytes,
         "policy": config.policy,
-        "actions": config.effective_actions,
+        "actions": config.actions,
         "min_tensor_bytes": config.min_tensor_bytes,
         "prefetch_bytes": config.prefetch_bytes,
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
     }
+    if plan is not None and not config.records_lineage:
+        raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")
     with _state_lock:
         first_cuda_install = target.type == "cuda" and native.runtime_kind() == "none"
         native.install_runtime(target.type, target.index or 0, settings)
@@ -106,10 +120,53 @@ def install(
             from ._cuda_install import install_cuda_allocator
 
             install_cuda_allocator()
-        if _hooks_thread is None:
-            torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
-            _hooks_thread = threading.get_ident()
+        if _hooks_thread is not None and _hooks_thread != threading.get_ident():
+            raise RuntimeError("membudget.install() again must run on the thread that called it first")
+        if _hooks_thread is not None:
+            _pop_hooks()
+        _push_hooks(native, config, plan)
+        _hooks_thread = threading.get_ident()
     return config
+
+
+def _push_hooks(native, config: Config, plan) -> None:
+    """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
+    global _lineage, _lineage_mode
+    if not config.records_lineage:
+        native.set_recompute_callback(None)
+        torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+        return
+    from .lineage import Lineage, LineageMode
+    from .replay import rebuild_entry
+
+    lineage = Lineage(native, plan)
+    handle_type = native.SavedActivation
+    native_pack, native_unpack = native.pack, native.unpack
+
+    def pack(tensor):
+        handle = native_pack(tensor)
+        if type(handle) is handle_type:
+            lineage.on_pack(handle, tensor)
+        return handle
+
+    def unpack(handle):
+        lineage.in_backward = True
+        return native_unpack(handle)
+
+    native.set_recompute_callback(lambda entry_id: rebuild_entry(lineage, entry_id))
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _lineage_mode = LineageMode(lineage)
+    _lineage_mode.__enter__()
+    _lineage = lineage
+
+
+def _pop_hooks() -> None:
+    global _lineage, _lineage_mode
+    if _lineage_mode is not None:
+        _lineage_mode.__exit__(None, None, None)
+        _lineage_mode = None
+        _lineage = None
+    torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def uninstall() -> None:
@@ -125,7 +182,7 @@ def uninstall() -> None:
         if _hooks_thread is not None:
             if _hooks_thread != threading.get_ident():
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            _pop_hooks()
             _hooks_thread = None
         native.uninstall_runtime()
 

@@ -27,8 +27,8 @@ PROG = "membudget"
 _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
     ("--budget", "MEMBUDGET_BUDGET", "device budget: bytes, units (12GiB, 512MB) or a percentage (60%%)"),
     ("--host-budget", "MEMBUDGET_HOST_BUDGET", "host memory for swapped tensors (default: half of RAM)"),
-    ("--policy", "MEMBUDGET_POLICY", "eviction policy: delta (default), lru, largest"),
-    ("--actions", "MEMBUDGET_ACTIONS", "swap or both (default; recompute is not available yet)"),
+    ("--policy", "MEMBUDGET_POLICY", "eviction policy: delta (default), dtr, msps, lru, largest"),
+    ("--actions", "MEMBUDGET_ACTIONS", "swap, recompute or both (default)"),
     ("--min-tensor-bytes", "MEMBUDGET_MIN_TENSOR_BYTES", "leave saved tensors below this size alone (default 1MiB)"),
     ("--prefetch-bytes", "MEMBUDGET_PREFETCH_BYTES", "prefetch window in backward, 0 disables (default 256MiB)"),
 )

@@ -24,15 +24,19 @@ Variables
     Host (pinned CPU) memory that swapped-out activations may occupy. Same
     syntax; a percentage is of physical RAM. Default: half of physical RAM.
 ``MEMBUDGET_POLICY``
-    Which eviction filter scores victims: ``delta`` (default; cost-aware: size,
-    staleness and predicted next use), ``lru`` (least recently used) or
-    ``largest`` (largest first). ``dtr`` and ``msps`` arrive with
-    recomputation and are rejected for now with a message saying so.
+    Which eviction filter scores victims: ``delta`` (default; cost-aware:
+    size, predicted next use from the last iteration, and the cost of the
+    action the director would take), ``dtr`` (Dynamic Tensor
+    Rematerialization: (cost + evicted-neighbourhood cost) / (size x
+    staleness), smallest first), ``msps`` (Capuchin: memory saved per second
+    of the cost to bring it back), ``lru`` (least recently used) or
+    ``largest`` (largest first).
 ``MEMBUDGET_ACTIONS``
-    What may be done with a victim: ``swap`` (copy to host), ``recompute`` or
-    ``both`` (default; the director picks per victim). Recomputation has not
-    landed: ``recompute`` is rejected and ``both`` behaves as ``swap``
-    (:attr:`Config.effective_actions`).
+    What may be done with a victim: ``swap`` (copy to host), ``recompute``
+    (drop it and replay the ops that made it when it is needed) or ``both``
+    (default; the director picks per victim the smaller expected stall).
+    With ``recompute`` or ``both``, forward ops are recorded (lineage) on the
+    thread that called ``install()``; ``swap`` records nothing.
 ``MEMBUDGET_MIN_TENSOR_BYTES``
     Saved tensors smaller than this are left alone. Size syntax without a
     percentage; default 1 MiB; ``0`` manages every saved tensor.
@@ -68,8 +72,6 @@ __all__ = [
     "BUILD_VARIABLES",
     "Config",
     "ConfigError",
-    "FUTURE_ACTIONS",
-    "FUTURE_POLICIES",
     "LOG_CHANNELS",
     "POLICIES",
     "Percent",
@@ -88,10 +90,8 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-POLICIES: Tuple[str, ...] = ("delta", "lru", "largest")
-FUTURE_POLICIES: Tuple[str, ...] = ("dtr", "msps")
-ACTIONS: Tuple[str, ...] = ("swap", "both")
-FUTURE_ACTIONS: Tuple[str, ...] = ("recompute",)
+POLICIES: Tuple[str, ...] = ("delta", "dtr", "msps", "lru", "largest")
+ACTIONS: Tuple[str, ...] = ("swap", "recompute", "both")
 LOG_CHANNELS: Tuple[str, ...] = ("decisions", "evictions", "prefetch", "summary")
 BUILD_VARIABLES: Tuple[str, ...] = (
     "MEMBUDGET_BUILD_DIR",
@@ -268,11 +268,6 @@ def _parse_policy(value: str, label: str) -> str:
     if policy in POLICIES:
         return policy
     accepted = ", ".join(POLICIES)
-    if policy in FUTURE_POLICIES:
-        raise ConfigError(
-            f"{label}={value!r}: the {policy} policy needs recomputation, which is not "
-            f"available yet in this build; use one of {accepted}"
-        )
     raise ConfigError(f"{label}={value!r} is not a policy: use one of {accepted}")
 
 
@@ -280,10 +275,6 @@ def _parse_actions(value: str, label: str) -> str:
     actions = str(value).strip().lower()
     if actions in ACTIONS:
         return actions
-    if actions in FUTURE_ACTIONS:
-        raise ConfigError(
-            f"{label}={value!r}: recomputation is not available yet in this build; use swap or both"
-        )
     raise ConfigError(f"{label}={value!r} is not an action: use swap, recompute or both")
 
 
@@ -343,14 +334,14 @@ VARIABLES: Tuple[Variable, ...] = (
     ),
     Variable(
         "MEMBUDGET_POLICY", "policy", DEFAULT_POLICY,
-        "`delta`, `lru`, `largest` (`dtr`, `msps` need recomputation: not yet available)",
+        "`delta`, `dtr`, `msps`, `lru`, `largest`",
         "Eviction filter that picks which saved activations to release.",
         _parse_policy,
     ),
     Variable(
         "MEMBUDGET_ACTIONS", "actions", DEFAULT_ACTIONS,
-        "`swap`, `both` (`recompute` is not yet available; `both` acts as `swap` until it is)",
-        "What may be done with a victim: swap to host and/or recompute.",
+        "`swap`, `recompute`, `both`",
+        "What may be done with a victim: swap to host and/or drop and recompute (the director picks).",
         _parse_actions,
     ),
     Variable(
@@ -456,10 +447,9 @@ class Config:
         return cls(**values)
 
     @property
-    def effective_actions(self) -> str:
-        """The actions this build actually takes: ``"swap"`` for both ``swap``
-        and ``both``, since recomputation has not landed yet."""
-        return "swap"
+    def records_lineage(self) -> bool:
+        """Whether forward ops are recorded (recomputation is allowed)."""
+        return self.actions in ("recompute", "both")
 
     def budget_bytes(self, device_capacity_bytes: Optional[int]) -> Optional[int]:
         """Return the budget in bytes for a device of ``device_capacity_bytes``
@@ -492,8 +482,6 @@ def describe(config: Config) -> str:
         except ConfigError as error:
             budget = f"invalid: {error}"
     actions = config.actions
-    if actions != config.effective_actions:
-        actions += f" (acts as {config.effective_actions}: recomputation is not available yet)"
     rows = [
         ("budget", budget, "MEMBUDGET_BUDGET"),
         ("host budget", format_bytes(config.host_budget_bytes), "MEMBUDGET_HOST_BUDGET"),

@@ -1,5 +1,6 @@
 #include "core/policy/filters.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -31,20 +32,47 @@ class DeltaFilter final : public Filter {
     double distance = c.next_use_distance >= 0
                           ? static_cast<double>(c.next_use_distance)
                           : static_cast<double>(ctx.packs_this_iteration - c.pack_seq);
-    double cost_factor = c.host_valid ? 2.0 : 1.0;
+    // Cost relative to one host-link copy of the same bytes: a host copy
+    // already made is nearly free (factor 2 as before), a replay cheaper
+    // than a copy is favoured over a swap, an expensive one disfavoured.
+    double relative_cost = c.copy_seconds > 0.0 ? c.cost_seconds / c.copy_seconds : 1.0;
+    double cost_factor = c.host_valid ? 2.0 : 2.0 / (1.0 + std::min(relative_cost, 8.0));
     return (distance + 1.0) * cost_factor * std::sqrt(static_cast<double>(c.bytes));
+  }
+};
+
+// Smallest h = (c + neighbourhood) / (m * staleness) evicts first, so the
+// score is its inverse.
+class DtrFilter final : public Filter {
+ public:
+  const char* name() const override { return "dtr"; }
+  double score(const EvictionCandidate& c, const FilterContext& ctx) const override {
+    double staleness = static_cast<double>(ctx.clock - c.last_access) + 1.0;
+    double cost = c.cost_seconds + c.neighbourhood_seconds + kTinySeconds;
+    return static_cast<double>(c.bytes) * staleness / cost;
+  }
+  static constexpr double kTinySeconds = 1e-9;
+};
+
+class MspsFilter final : public Filter {
+ public:
+  const char* name() const override { return "msps"; }
+  double score(const EvictionCandidate& c, const FilterContext&) const override {
+    return static_cast<double>(c.bytes) / (c.cost_seconds + 1e-9);
   }
 };
 
 }  // namespace
 
 const std::vector<std::string>& filter_names() {
-  static const std::vector<std::string> names = {"delta", "lru", "largest"};
+  static const std::vector<std::string> names = {"delta", "dtr", "msps", "lru", "largest"};
   return names;
 }
 
 std::unique_ptr<Filter> make_filter(const std::string& name) {
   if (name == "delta") return std::make_unique<DeltaFilter>();
+  if (name == "dtr") return std::make_unique<DtrFilter>();
+  if (name == "msps") return std::make_unique<MspsFilter>();
   if (name == "lru") return std::make_unique<LruFilter>();
   if (name == "largest") return std::make_unique<LargestFilter>();
   std::string accepted;

@@ -3,10 +3,23 @@
 //
 //   lru      least recently packed/unpacked first.
 //   largest  largest first (fewest evictions per byte).
-//   delta    (default) Belady-style: the candidate whose predicted next use is
-//            farthest away (from the previous iteration's unpack order), with
-//            candidates that already have a host copy (free to release)
-//            favoured 2x and larger ones favoured by sqrt(size).
+//   delta    (default) Belady-style and cost-aware: the candidate whose
+//            predicted next use is farthest away (from the previous
+//            iteration's unpack order), larger ones favoured by sqrt(size),
+//            divided by the cost of the action the director would take for it
+//            relative to copying it once over the host link (a host copy
+//            already made costs nothing; a cheap replay little).
+//   dtr      Dynamic Tensor Rematerialization (Kirisame et al. 2021): evict
+//            the smallest h = (c + neighbourhood cost) / (m * staleness), where
+//            c is its cost to bring back and the neighbourhood cost sums the
+//            equivalence classes (union-find) of already evicted neighbours.
+//   msps     Capuchin's memory saved per second: m / cost to bring back.
+//   lru      least recently packed/unpacked first.
+//   largest  largest first (fewest evictions per byte).
+//
+// "Cost to bring back" (EvictionCandidate::cost_seconds) is the director's
+// choice for the candidate: its swap stall, or its replay time including
+// dropped ancestors, whichever the director would pick.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,6 +40,11 @@ struct EvictionCandidate {
   // Unpacks until its predicted next use; -1 when no prediction exists yet
   // (first iteration): then backward's reverse order is assumed.
   int64_t next_use_distance = -1;
+  bool recomputable = false;
+  double recompute_seconds = 0.0;     // replay incl. dropped ancestors
+  double neighbourhood_seconds = 0.0; // dtr: evicted-neighbourhood cost
+  double cost_seconds = 0.0;          // the director's chosen action's stall
+  double copy_seconds = 0.0;          // one copy over the host link (scale)
 };
 
 struct FilterContext {

@@ -1,0 +1,194 @@
+// ResidencyManager, part two: dropping entries for recomputation, the
+// director's inputs, and the measurements they rest on (Note [Recompute] in
+// residency_entry.h). Every private method here assumes mutex_ is held.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "core/residency_manager.h"
+#include "core/units.h"
+
+namespace membudget {
+namespace {
+
+// Weight of the newest sample in the moving averages of link bandwidth and
+// pack/unpack intervals.
+constexpr double kEmaWeight = 0.25;
+// Copies this short measure latency, not bandwidth.
+constexpr double kMinTimedCopySeconds = 20e-6;
+// A gap this long between two packs (or unpacks) is not an op interval.
+constexpr double kMaxIntervalSeconds = 1.0;
+
+void ema(double& average, double sample) {
+  average = average == 0.0 ? sample : (1.0 - kEmaWeight) * average + kEmaWeight * sample;
+}
+
+}  // namespace
+
+ResidencyEntry* ResidencyManager::find(uint64_t id) const {
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
+                                          const std::vector<uint64_t>& input_ids) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!entry->registered_) return;
+  entry->recomputable_ = recomputable;
+  entry->replay_seconds_ = std::max(replay_seconds, 0.0);
+  entry->inputs_.clear();
+  for (uint64_t id : input_ids) {
+    ResidencyEntry* input = find(id);
+    if (input == nullptr || input == entry) continue;
+    entry->inputs_.push_back(id);
+    input->dependents_.push_back(entry->id());
+  }
+}
+
+bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!entry->registered_ || !entry->recomputable_ || !allowed_.recompute) return false;
+  if (std::find(planned_.begin(), planned_.end(), entry) == planned_.end()) planned_.push_back(entry);
+  return true;
+}
+
+void ResidencyManager::drop_planned() {
+  for (size_t i = 0; i < planned_.size();) {
+    ResidencyEntry* entry = planned_[i];
+    if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry)) {
+      planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
+      drop_for_recompute(entry, "static plan");
+      ++counters_.planned_drops;
+    } else if (entry->state_ != Residency::resident) {
+      planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+}
+
+double ResidencyManager::recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const {
+  // Its own replay plus the replays of dropped inputs it would trigger, each
+  // counted once (a diamond of dropped ancestors replays every node once).
+  double total = entry->replay_seconds_;
+  visited.push_back(entry->id());
+  for (uint64_t id : entry->inputs_) {
+    if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
+    const ResidencyEntry* input = find(id);
+    if (input == nullptr) continue;
+    if (input->state_ == Residency::dropped) {
+      total += recompute_total(input, visited);
+    } else if (input->state_ == Residency::host) {
+      total += static_cast<double>(input->bytes()) / link_bytes_per_s_;
+      visited.push_back(id);
+    }
+  }
+  return total;
+}
+
+std::vector<uint64_t> ResidencyManager::dropped_neighbours(const ResidencyEntry* entry) const {
+  std::vector<uint64_t> result;
+  for (const auto* ids : {&entry->inputs_, &entry->dependents_}) {
+    for (uint64_t id : *ids) {
+      const ResidencyEntry* other = find(id);
+      if (other != nullptr && other->state_ == Residency::dropped) result.push_back(id);
+    }
+  }
+  return result;
+}
+
+double ResidencyManager::seconds_until_next_use(const EvictionCandidate& c) const {
+  // Unpacks until its use, at the measured pace of backward; during forward,
+  // plus what remains of forward at the measured pace of packs.
+  int64_t unpacks = c.next_use_distance >= 0
+                        ? c.next_use_distance
+                        : static_cast<int64_t>(packs_this_iteration_ - std::min(packs_this_iteration_, c.pack_seq));
+  double seconds = static_cast<double>(unpacks) * unpack_interval_s_;
+  if (!unpacked_since_pack_ && packs_last_iteration_ > packs_this_iteration_) {
+    seconds += static_cast<double>(packs_last_iteration_ - packs_this_iteration_) * pack_interval_s_;
+  }
+  return seconds;
+}
+
+Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const EvictionCandidate& c) const {
+  VictimFacts facts;
+  facts.bytes = entry->bytes();
+  facts.host_valid = entry->host_valid_;
+  facts.host_room = entry->host_copy_ != nullptr ||
+                    host_tier_.stats().reserved_current + entry->bytes() <= host_tier_.budget() ||
+                    host_tier_.largest_free_or_reservable() >= entry->bytes();
+  facts.recomputable = entry->recomputable_;
+  facts.recompute_seconds = c.recompute_seconds;
+  facts.link_bytes_per_s = link_bytes_per_s_;
+  for (const ResidencyEntry* busy : in_flight_) {
+    (busy->state_ == Residency::swapping_out ? facts.d2h_queued_bytes : facts.h2d_queued_bytes) += busy->bytes();
+  }
+  facts.seconds_until_next_use = seconds_until_next_use(c);
+  return decide(facts, allowed_);
+}
+
+size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry, const char* why) {
+  (void)why;  // logged by the caller
+  if (entry->state_ == Residency::swapping_out) {
+    entry->copy_event_->wait();
+    finish_copy(entry);
+  }
+  entry->drop_device_copy();
+  entry->state_ = Residency::dropped;
+  clear_prefetch(entry);
+  if (entry->host_copy_ != nullptr && !entry->host_valid_) {
+    host_tier_.deallocate(entry->host_copy_);
+    entry->host_copy_ = nullptr;
+  }
+  // Classes never split (DTR's approximation); starting afresh whenever
+  // nothing is dropped keeps them from spanning iterations.
+  if (dropped_entries_ == 0) neighbourhoods_.clear();
+  ++dropped_entries_;
+  neighbourhoods_.add(entry->id(), entry->replay_seconds_, dropped_neighbours(entry));
+  counters_.evicted_bytes += entry->bytes();
+  ++counters_.eviction_count;
+  ++counters_.drop_count;
+  return entry->bytes();
+}
+
+void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!succeeded) {
+    entry->state_ = Residency::dropped;
+    --entry->pins_;
+    return;
+  }
+  entry->state_ = Residency::resident;
+  --dropped_entries_;
+  neighbourhoods_.remove(entry->id(), entry->replay_seconds_);
+  ++counters_.recompute_count;
+  counters_.recompute_bytes += entry->bytes();
+  counters_.recompute_seconds += seconds;
+}
+
+void ResidencyManager::log_decision(const ResidencyEntry* entry, const EvictionCandidate& c,
+                                    const Decision& d) const {
+  std::fprintf(stderr,
+               "membudget: evict %s id=%llu iteration=%llu seq=%llu next_use=%lld policy=%s action=%s "
+               "reason=\"%s\" swap_stall=%.3fms recompute=%.3fms\n",
+               format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->id(),
+               (unsigned long long)entry->iteration_, (unsigned long long)entry->pack_seq_,
+               (long long)c.next_use_distance, filter_->name(), action_name(d.action), d.reason,
+               d.swap_stall_seconds * 1e3, d.recompute_stall_seconds * 1e3);
+}
+
+void ResidencyManager::note_copy_time(size_t bytes, double seconds) {
+  if (seconds < kMinTimedCopySeconds) return;
+  ema(link_bytes_per_s_, static_cast<double>(bytes) / seconds);
+}
+
+void ResidencyManager::note_interval(double& average, std::chrono::steady_clock::time_point& last) {
+  auto now = std::chrono::steady_clock::now();
+  if (last != std::chrono::steady_clock::time_point{}) {
+    double gap = std::chrono::duration<double>(now - last).count();
+    if (gap < kMaxIntervalSeconds) ema(average, gap);
+  }
+  last = now;
+}
+
+}  // namespace membudget

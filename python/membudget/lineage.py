@@ -1,0 +1,363 @@
+"""Lineage: how every saved activation was computed, so that it can be dropped
+and rebuilt instead of stashed (DESIGN.md "The binding to PyTorch").
+
+Where this sits in the flow: while membudget is installed with recomputation
+allowed, :class:`LineageMode` (a ``TorchDispatchMode``, below autograd) sees
+every aten op the forward pass runs on the thread that called ``install()``.
+For each op it keeps an :class:`OpNode`: the op overload, its arguments with
+tensors replaced by :class:`TensorRef` (which storage, at which version, with
+which view geometry), the measured duration, and the generator state for
+random ops (dropout replays bit-exactly). No tensor memory is held, except
+strong references to tensors that no recorded op produced (parameters, the
+batch), which the step keeps alive anyway.
+
+Note [Storage lineage]: residency is per storage (a saved tensor and its views
+share one entry), so lineage is too. A :class:`StorageLineage` says how a
+storage came to be: the op that allocated it (``producer``, output ``index``)
+followed by the in-place ops that wrote into it (``mutations``; its *version*
+is how many of them have happened). Views do not make storages: a view's
+output shares its input's lineage, and each TensorRef keeps the geometry.
+``ReLU(inplace=True)`` and ``x += y`` are mutations, replayed in order.
+
+When a saved tensor is packed, :meth:`Lineage.on_pack` computes whether its
+storage can be rebuilt and at what cost (:mod:`membudget.replay`), and tells
+the residency manager, whose director may then drop it. Unpacking a dropped
+entry calls back into :func:`membudget.replay.rebuild_entry`.
+
+Unrecomputable (they can still be swapped): outputs of ops outside the
+``aten``/``prims`` namespaces or with side effects, ops whose mutated
+arguments are not replayable, and anything downstream of a tensor mutated in
+place that lineage did not see. Backward, replays and ``no_grad`` work are not
+recorded. A C++ fast path would replace :meth:`LineageMode.__torch_dispatch__`
+and keep these data structures; the Python one costs a few microseconds per op
+(``bench/bench_lineage.py``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Lineage", "LineageMode", "OpNode", "StorageLineage", "ExternalLineage", "TensorRef", "storage_address"]
+
+_ATTR = "_membudget_lineage"
+_REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
+# Mutated arguments whose new value no output depends on: batch norm's running
+# statistics in training mode. A replay gives such an op scratch copies, so
+# the real buffers are not updated twice.
+_SCRATCH_ARGUMENTS = frozenset({"running_mean", "running_var"})
+# Ops that never need replaying and whose outputs are not tensors worth a node.
+_NOT_RECORDED = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"})
+
+
+class StorageLineage:
+    """How one storage was computed (Note [Storage lineage])."""
+
+    __slots__ = ("producer", "index", "mutations", "base", "entry_id", "versions", "memo", "__weakref__")
+
+    def __init__(self, producer: "OpNode", index: int, base: torch.Tensor):
+        self.producer = producer
+        self.index = index
+        self.mutations: List[OpNode] = []
+        self.base = weakref.ref(base)
+        self.entry_id: Optional[int] = None  # set when the storage is packed and managed
+        # The tensor version counter after the producer and after each
+        # recorded write: a reader whose version is not among these saw a
+        # write lineage missed (no_grad, another thread) and is unreplayable.
+        self.versions: List[int] = [base._version]
+        self.memo: Dict[int, tuple] = {}     # version -> closure (see replay.closure)
+
+
+class ExternalLineage:
+    """A tensor no recorded op produced (a parameter, the batch): held, not rebuilt."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class TensorRef:
+    """A tensor argument of a recorded op: its storage's lineage, the storage
+    version it was read at, and the view geometry to rebuild it from the
+    storage."""
+
+    __slots__ = ("lineage", "version", "tensor_version", "sizes", "strides", "offset", "dtype", "device", "scratch")
+
+    def __init__(self, lineage, version: int, tensor: torch.Tensor, scratch: bool = False):
+        self.lineage = lineage
+        self.version = version
+        self.tensor_version = tensor._version
+        self.sizes = tuple(tensor.size())
+        self.strides = tuple(tensor.stride())
+        self.offset = tensor.storage_offset()
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.scratch = scratch
+
+
+class OpNode:
+    """One recorded op call: enough to run it again."""
+
+    __slots__ = ("func", "args", "kwargs", "seconds", "rng", "replayable", "index", "refs", "__weakref__")
+
+    def __init__(self, func, args, kwargs, refs, index: int):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.refs: List[TensorRef] = refs
+        self.index = index          # position among this forward's recorded ops
+        self.seconds = 0.0
+        self.rng: Optional[Tuple[torch.Generator, torch.Tensor]] = None
+        self.replayable = True
+
+    @property
+    def name(self) -> str:
+        """The overload's name, e.g. ``aten.addmm.default``."""
+        return str(self.func)
+
+
+class _FuncInfo:
+    """What the schema says about an op, computed once per overload."""
+
+    __slots__ = ("aliases", "writes", "scratch", "random", "replayable", "recorded")
+
+    def __init__(self, func):
+        schema = func._schema
+        arg_sets = {}
+        self.writes: List[Tuple[int, str]] = []  # (position, name) of mutated arguments
+        self.scratch = set()
+        for position, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None:
+                continue
+            for alias in info.before_set:
+                arg_sets.setdefault(alias, (position, arg.name))
+            if info.is_write:
+                self.writes.append((position, arg.name))
+                if arg.name in _SCRATCH_ARGUMENTS:
+                    self.scratch.add(arg.name)
+        # Output i aliases which argument (views and in-place/out= results).
+        self.aliases: List[Optional[Tuple[int, str]]] = []
+        for ret in schema.returns:
+            info = ret.alias_info
+            target = None
+            if info is not None:
+                for alias in info.before_set:
+                    if alias in arg_sets:
+                        target = arg_sets[alias]
+            self.aliases.append(target)
+        namespace = schema.name.split("::")[0]
+        unreplayable_writes = [name for _, name in self.writes if name not in _SCRATCH_ARGUMENTS]
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        # A write to anything but the storage being rebuilt is a side effect;
+        # those are replayed only on their own lineage (as mutations).
+        self.replayable = namespace in _REPLAYABLE_NAMESPACES and len(unreplayable_writes) <= 1
+        self.recorded = schema.name not in _NOT_RECORDED
+
+
+_infos: Dict[Any, _FuncInfo] = {}
+
+
+def _func_info(func) -> _FuncInfo:
+    info = _infos.get(func)
+    if info is None:
+        info = _infos[func] = _FuncInfo(func)
+    return info
+
+
+class Lineage:
+    """The recorder behind :class:`LineageMode` and the pack hook: one per
+    process, fed from the thread that runs forward."""
+
+    def __init__(self, native, plan=None):
+        self.native = native
+        self.plan = plan
+        self.local = threading.local()      # .paused while replaying
+        self.op_index = 0                   # recorded ops in this forward
+        self.externals: Dict[int, ExternalLineage] = {}
+        self.by_entry: Dict[int, StorageLineage] = {}
+        self.in_backward = False
+        self.ops_recorded = 0
+
+    # -- iteration bookkeeping ------------------------------------------------
+    def note_unpack(self) -> None:
+        """Backward has begun: the next recorded op starts a new forward."""
+        self.in_backward = True
+
+    def _begin_forward(self) -> None:
+        self.in_backward = False
+        self.op_index = 0
+        self.externals = {}
+        live = set(self.native.live_entry_ids())
+        self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
+
+    def paused(self) -> bool:
+        """True on this thread while a replay runs (its ops are not recorded)."""
+        return getattr(self.local, "paused", False)
+
+    # -- recording ------------------------------------------------------------
+    def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
+        lineage = getattr(tensor, _ATTR, None)
+        if lineage is None:
+            lineage = self.externals.get(id(tensor))
+            if lineage is None or lineage.tensor is not tensor:
+                lineage = self.externals[id(tensor)] = ExternalLineage(tensor)
+            return TensorRef(lineage, 0, tensor, scratch)
+        version = len(lineage.mutations) if type(lineage) is StorageLineage else 0
+        return TensorRef(lineage, version, tensor, scratch)
+
+    def _template(self, value, refs: List[TensorRef], scratch_name: Optional[str] = None):
+        if isinstance(value, torch.Tensor):
+            ref = self._ref(value, scratch=scratch_name is not None)
+            refs.append(ref)
+            return ref
+        if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
+            items = [self._template(v, refs) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    def before(self, func, info: _FuncInfo, args, kwargs) -> OpNode:
+        """Builds the node from the arguments as they are before the op runs
+        (versions must predate its own writes)."""
+        if self.in_backward:
+            self._begin_forward()
+        refs: List[TensorRef] = []
+        scratch_positions = ()
+        if info.scratch:
+            names = [a.name for a in func._schema.arguments]
+            scratch_positions = tuple(i for i, n in enumerate(names) if n in info.scratch)
+        arg_template = tuple(
+            self._template(a, refs, "scratch" if i in scratch_positions else None) for i, a in enumerate(args))
+        kwarg_template = {k: self._template(v, refs, "scratch" if k in info.scratch else None)
+                          for k, v in kwargs.items()} if kwargs else {}
+        node = OpNode(func, arg_template, kwarg_template, refs, self.op_index)
+        self.op_index += 1
+        self.ops_recorded += 1
+        node.replayable = info.replayable
+        if info.random:
+            node.rng = _capture_generator(args, kwargs)
+        return node
+
+    def after(self, node: OpNode, info: _FuncInfo, args, kwargs, out) -> None:
+        """Attaches lineages to the outputs and records writes."""
+        for position, name in info.writes:
+            if name in info.scratch:
+                continue
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor):
+                self._record_write(node, target)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for index, output in enumerate(outputs):
+            alias = info.aliases[index] if index < len(info.aliases) else None
+            if alias is not None:
+                position, name = alias
+                source = args[position] if position < len(args) else kwargs.get(name)
+                self._share_lineage(output, source)
+            elif isinstance(output, torch.Tensor):
+                if type(output) is torch.Tensor:
+                    setattr(output, _ATTR, StorageLineage(node, index, output))
+
+    def _share_lineage(self, output, source) -> None:
+        # A view (or in-place result) shares its source's storage lineage.
+        sources = source if isinstance(source, (list, tuple)) else (source,)
+        outputs = output if isinstance(output, (list, tuple)) else (output,)
+        lineage = getattr(sources[0], _ATTR, None) if sources and isinstance(sources[0], torch.Tensor) else None
+        for item in outputs:
+            if isinstance(item, torch.Tensor) and item is not sources[0] and lineage is not None:
+                setattr(item, _ATTR, lineage)
+
+    def _record_write(self, node: OpNode, target: torch.Tensor) -> None:
+        lineage = getattr(target, _ATTR, None)
+        if type(lineage) is StorageLineage:
+            lineage.mutations.append(node)
+            # Autograd's ADInplaceOrView kernel, above this mode, bumps the
+            # version once the op returns: the version after it is one more.
+            lineage.versions.append(target._version + 1)
+            lineage.memo.clear()
+            return
+        # A write to a tensor lineage did not produce: whatever was recorded
+        # from its old value can no longer be replayed (replay.py checks the
+        # version of every external input and refuses). Entries that depend
+        # on it and are dropped right now are rebuilt before the write lands.
+        from .replay import rescue_dependents_of
+
+        rescue_dependents_of(self, target)
+
+    def rescued(self, entry_id: int) -> None:
+        """An entry whose replay would read a tensor about to be overwritten:
+        made resident now and declared unrecomputable."""
+        self.native.entry_storage(entry_id)
+        self.native.set_recompute_info(entry_id, False, 0.0, [])
+
+    # -- pack -----------------------------------------------------------------
+    def on_pack(self, handle, tensor: torch.Tensor) -> None:
+        """Declares to the manager how a newly managed storage can be rebuilt."""
+        lineage = getattr(tensor, _ATTR, None)
+        if type(lineage) is not StorageLineage or lineage.entry_id is not None:
+            return
+        base = lineage.base()
+        if base is not None and storage_address(base) != storage_address(tensor):
+            return  # set_() or similar moved the tensor to another storage
+        if tensor._version != lineage.versions[-1]:
+            return  # written by something lineage did not see
+        from .replay import closure
+
+        ok, seconds, deps, _ = closure(lineage, len(lineage.mutations), top=True)
+        lineage.entry_id = handle.entry_id
+        self.by_entry[handle.entry_id] = lineage
+        self.native.set_recompute_info(handle.entry_id, ok, seconds, sorted(deps))
+        if ok and self.plan is not None:
+            producer = lineage.producer
+            if self.plan.drops(producer.index, producer.name, lineage.index):
+                self.native.plan_drop(handle.entry_id)
+
+
+def storage_address(tensor: torch.Tensor) -> int:
+    """Start address of the tensor's storage. Computed from the data pointer
+    because ``untyped_storage()`` creates a Python storage object that keeps
+    the storage referenced (and thus never evictable) for as long as it lives."""
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
+def _capture_generator(args, kwargs) -> Optional[Tuple[torch.Generator, torch.Tensor]]:
+    generator = kwargs.get("generator") if kwargs else None
+    if generator is None:
+        device = None
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                device = value.device
+                break
+        if device is not None and device.type == "cuda":
+            generator = torch.cuda.default_generators[device.index or 0]
+        else:
+            generator = torch.default_generator
+    return generator, generator.get_state()
+
+
+class LineageMode(TorchDispatchMode):
+    """Records forward ops into a :class:`Lineage` (see the module docstring)."""
+
+    def __init__(self, lineage: Lineage):
+        super().__init__()
+        self.lineage = lineage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        lineage = self.lineage
+        if (getattr(lineage.local, "paused", False) or torch._C._current_graph_task_id() != -1
+                or not torch.is_grad_enabled()):
+            return func(*args, **kwargs)
+        info = _infos.get(func) or _func_info(func)
+        if not info.recorded:
+            return func(*args, **kwargs)
+        node = lineage.before(func, info, args, kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        node.seconds = time.perf_counter() - start
+        lineage.after(node, info, args, kwargs, out)
+        return out

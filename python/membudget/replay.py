@@ -1,0 +1,198 @@
+"""Replay: rebuilding a dropped storage from its lineage, and what that costs.
+
+Where this sits in the flow: :mod:`membudget.lineage` records forward ops;
+at pack time :func:`closure` tells the residency manager whether a storage can
+be rebuilt, what its own replay costs (the measured durations of every op that
+must run again, down to inputs that will be available) and which managed
+entries it reads. When backward unpacks a dropped entry, the native binding
+calls :func:`rebuild_entry`, which replays the ops with grad disabled and the
+recorded generator state restored, so the rebuilt bytes equal the originals.
+
+Inputs of a replay come from, in order of preference: the managed entry of
+that storage (made resident by the manager: swapped in, or itself rebuilt —
+so dropped ancestors are rebuilt recursively), a tensor still alive that holds
+that storage at the right version, a held external tensor (parameters, the
+batch; its version must be unchanged), or a replay of the input's own lineage
+into a temporary. Replays allocate through membudget under the same budget
+and may evict.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, Set, Tuple
+
+import torch
+
+from .lineage import ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, storage_address
+
+__all__ = ["RecomputeError", "closure", "rebuild_entry", "rescue_dependents_of"]
+
+# A replay deeper than this many unmanaged producers is not worth it (and
+# would approach Python's recursion limit); such storages are swap-only.
+MAX_REPLAY_DEPTH = 200
+
+Closure = Tuple[bool, float, Set[int], FrozenSet[int]]
+
+
+class RecomputeError(RuntimeError):
+    """A dropped activation could not be rebuilt exactly (an input changed
+    since forward, or lineage is missing). Raised from backward's unpack."""
+
+
+def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int = 0) -> Closure:
+    """(replayable, seconds, managed input ids, external storage keys) of
+    rebuilding ``lineage`` at ``version``. Not at the top, a managed storage
+    at its current version is an input (read, not replayed): it costs nothing
+    here (the manager adds the cost of inputs that are dropped) but must be
+    replayable itself in case it is freed before this replay runs."""
+    managed_input = not top and lineage.entry_id is not None and version == len(lineage.mutations)
+    result = lineage.memo.get(version)
+    if result is None:
+        result = _replay_closure(lineage, version, depth)
+        lineage.memo[version] = result
+    if managed_input:
+        return result[0], 0.0, {lineage.entry_id}, result[3]
+    return result
+
+
+def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closure:
+    if depth > MAX_REPLAY_DEPTH:
+        return False, 0.0, set(), frozenset()
+    ok = True
+    seconds = 0.0
+    deps: Set[int] = set()
+    externals: Set[int] = set()
+    nodes = [lineage.producer] + lineage.mutations[:version]
+    for node in nodes:
+        ok = ok and node.replayable
+        seconds += node.seconds
+        for ref in node.refs:
+            source = ref.lineage
+            if source is lineage:
+                continue  # the storage being rebuilt, replayed in order
+            if type(source) is ExternalLineage:
+                if ref.scratch:
+                    continue
+                externals.add(storage_address(source.tensor))
+                ok = ok and source.tensor._version == ref.tensor_version
+                continue
+            if ref.version >= len(source.versions) or source.versions[ref.version] != ref.tensor_version:
+                ok = False  # read after a write lineage did not see
+                continue
+            sub_ok, sub_seconds, sub_deps, sub_externals = closure(source, ref.version, depth=depth + 1)
+            ok = ok and sub_ok
+            seconds += sub_seconds
+            deps |= sub_deps
+            externals |= sub_externals
+    return ok, seconds, deps, frozenset(externals)
+
+
+def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
+    """``target`` (not produced by a recorded op) is about to be written in
+    place: every managed entry whose replay reads it is made resident now,
+    while its inputs are intact, and becomes swap-only."""
+    key = storage_address(target)
+    for entry_id, storage_lineage in list(lineage.by_entry.items()):
+        memo = storage_lineage.memo.get(len(storage_lineage.mutations))
+        if memo is not None and memo[0] and key in memo[3]:
+            lineage.rescued(entry_id)
+
+
+def rebuild_entry(lineage: Lineage, entry_id: int) -> torch.Tensor:
+    """The native binding's recompute callback: replays the storage of a
+    dropped entry and returns a tensor whose storage holds it."""
+    storage_lineage = lineage.by_entry.get(entry_id)
+    if storage_lineage is None:
+        raise RecomputeError(f"membudget: no lineage recorded for dropped activation {entry_id}")
+    was_paused = lineage.paused()
+    lineage.local.paused = True
+    try:
+        with torch.no_grad():
+            return _Replayer(lineage).rebuild(storage_lineage, len(storage_lineage.mutations))
+    finally:
+        lineage.local.paused = was_paused
+
+
+class _Replayer:
+    def __init__(self, lineage: Lineage):
+        self.native = lineage.native
+        self.overrides: Dict[int, torch.Tensor] = {}  # id(StorageLineage) -> storage being rebuilt
+
+    def rebuild(self, lineage: StorageLineage, version: int) -> torch.Tensor:
+        base = self.run(lineage.producer)[lineage.index]
+        key = id(lineage)
+        previous = self.overrides.get(key)
+        self.overrides[key] = base
+        try:
+            for node in lineage.mutations[:version]:
+                self.run(node)
+        finally:
+            if previous is None:
+                del self.overrides[key]
+            else:
+                self.overrides[key] = previous
+        return base
+
+    def run(self, node: OpNode):
+        if not node.replayable:
+            raise RecomputeError(f"membudget: {node.name} cannot be replayed")
+        args = self.fill(node.args)
+        kwargs = {k: self.fill(v) for k, v in node.kwargs.items()}
+        if node.rng is not None:
+            generator, state = node.rng
+            saved = generator.get_state()
+            generator.set_state(state)
+            try:
+                out = node.func(*args, **kwargs)
+            finally:
+                generator.set_state(saved)
+        else:
+            out = node.func(*args, **kwargs)
+        return out if isinstance(out, (tuple, list)) else (out,)
+
+    def fill(self, value):
+        if type(value) is TensorRef:
+            return self.resolve(value)
+        if isinstance(value, (list, tuple)) and any(type(v) is TensorRef for v in value):
+            items = [self.fill(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    def resolve(self, ref: TensorRef) -> torch.Tensor:
+        holder = self.storage_holder(ref)
+        view = _view(holder, ref)
+        return view.clone() if ref.scratch else view
+
+    def storage_holder(self, ref: TensorRef) -> torch.Tensor:
+        """A tensor whose storage holds ``ref``'s storage at ``ref.version``."""
+        source = ref.lineage
+        if type(source) is ExternalLineage:
+            if not ref.scratch and source.tensor._version != ref.tensor_version:
+                raise RecomputeError(
+                    "membudget: an input of a dropped activation was modified in place after forward "
+                    f"(version {ref.tensor_version} -> {source.tensor._version}); it cannot be recomputed")
+            return source.tensor
+        override = self.overrides.get(id(source))
+        if override is not None:
+            return override
+        if ref.version == len(source.mutations):
+            if source.entry_id is not None:
+                resident = self.native.entry_storage(source.entry_id)
+                if resident is not None:
+                    return resident
+            alive = source.base()
+            if alive is not None and alive._version == source.versions[-1]:
+                return alive
+        return self.rebuild(source, ref.version)
+
+
+def _view(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    if (holder.dtype == ref.dtype and holder.storage_offset() == ref.offset and tuple(holder.size()) == ref.sizes
+            and tuple(holder.stride()) == ref.strides):
+        return holder
+    if holder.dtype != ref.dtype:
+        if holder.dim() != 1 or holder.storage_offset() != 0 or holder.element_size() != 1:
+            raise RecomputeError("membudget: cannot reinterpret a replay input as another dtype")
+        holder = holder.view(ref.dtype)  # whole storage as bytes -> as elements
+    # as_strided addresses the holder's storage directly (untyped_storage()
+    # would create a Python storage object that pins it; see storage_address).
+    return torch.as_strided(holder, ref.sizes, ref.strides, ref.offset)
