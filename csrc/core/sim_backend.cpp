@@ -92,6 +92,12 @@ size_t SimBackend::pending_copies(CopyDirection direction) const {
   return queue.size();
 }
 
+std::chrono::steady_clock::time_point SimBackend::clock_now() const {
+  using std::chrono::steady_clock;
+  return steady_clock::time_point(std::chrono::hours(1)) +
+         std::chrono::duration_cast<steady_clock::duration>(std::chrono::duration<double>(clock_->now));
+}
+
 void SimBackend::run_compute(double seconds) { clock_->now += std::max(0.0, seconds); }
 
 size_t SimBackend::copied_bytes(CopyDirection direction) const { return copied_bytes_[static_cast<int>(direction)]; }

@@ -44,6 +44,9 @@ class SimBackend final : public Backend {
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes, Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
 
+  // Modelled time, so that the manager's timings (copies, stalls, intervals)
+  // are the simulated ones; offset so it is never the zero time_point.
+  std::chrono::steady_clock::time_point clock_now() const override;
   // The compute stream runs for `seconds` (an op's modelled duration).
   void run_compute(double seconds);
   double now() const { return clock_->now; }

@@ -2,7 +2,9 @@
 
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "core/caching_allocator.h"
 #include "core/out_of_memory.h"
@@ -84,6 +86,9 @@ class PendingFrees final : public Evictor {
   std::vector<std::pair<EventPtr, void*>> pending_;
 };
 
+// Recompute chains deeper than this are a malformed program (a cycle).
+constexpr int kMaxReplayDepth = 1000;
+
 class Replayer {
  public:
   Replayer(const ReplayProgram& program, const ReplayConfig& config)
@@ -112,6 +117,10 @@ class Replayer {
     } catch (const OutOfMemory& error) {
       result.feasible = false;
       result.error = error.what();
+      result.failed_instruction = static_cast<int64_t>(i);
+    } catch (const std::runtime_error& error) {  // e.g. a recompute chain that cannot end
+      result.feasible = false;
+      result.error = std::string("replay failed: ") + error.what();
       result.failed_instruction = static_cast<int64_t>(i);
     }
     finish(result);
@@ -143,6 +152,8 @@ class Replayer {
     r.swap_in_bytes = backend_.copied_bytes(CopyDirection::host_to_device) - start_h2d_;
     ManagerStats m = manager_.stats();
     r.eviction_count = m.eviction_count;
+    r.recompute_count = m.recompute_count;
+    r.drop_count = m.drop_count;
     r.prefetch_hits = m.prefetch_hits;
     r.prefetch_misses = m.prefetch_misses;
   }
@@ -211,6 +222,11 @@ class Replayer {
     t.entry = std::make_unique<SimulatedActivation>(bytes_of(id), device_, t.device);
     t.device = nullptr;
     manager_.register_entry(t.entry.get());
+    if (recomputable(id)) {
+      std::vector<uint64_t> input_ids;
+      for (int64_t input : replay_inputs(id)) input_ids.push_back(tensors_[input].entry->id());
+      manager_.set_recompute_info(t.entry.get(), true, program_.replay_seconds[id], input_ids);
+    }
   }
 
   void release(int64_t id) {
@@ -231,9 +247,45 @@ class Replayer {
   void unpack(int64_t id) {
     SimTensor& t = tensors_[id];
     if (!t.entry) return;
-    manager_.materialize(t.entry.get(), nullptr);
+    if (manager_.materialize(t.entry.get(), nullptr) == nullptr) rebuild(id, 0);
     t.entry->set_referenced(true);
     manager_.unpin(t.entry.get());
+  }
+
+  bool recomputable(int64_t id) const {
+    return static_cast<size_t>(id) < program_.replay_seconds.size() && program_.replay_seconds[id] > 0.0;
+  }
+
+  // Managed inputs of a tensor's replay that are still live, by tensor id.
+  std::vector<int64_t> replay_inputs(int64_t id) const {
+    std::vector<int64_t> out;
+    if (static_cast<size_t>(id) + 1 >= program_.replay_input_offsets.size()) return out;
+    for (int64_t k = program_.replay_input_offsets[id]; k < program_.replay_input_offsets[id + 1]; ++k) {
+      const int64_t input = program_.replay_inputs[static_cast<size_t>(k)];
+      if (input != id && tensors_[input].entry) out.push_back(input);
+    }
+    return out;
+  }
+
+  // A dropped entry that materialize() marked recomputing (and pinned):
+  // bring its managed inputs back (rebuilding dropped ones first), allocate
+  // it, run its replay on the compute stream, hand it back to the manager.
+  void rebuild(int64_t id, int depth) {
+    if (depth > kMaxReplayDepth) throw std::runtime_error("replay: recompute chain too deep");
+    SimulatedActivation* entry = tensors_[id].entry.get();
+    std::vector<SimulatedActivation*> inputs;
+    for (int64_t input : replay_inputs(id)) {
+      SimulatedActivation* e = tensors_[input].entry.get();
+      if (manager_.materialize(e, nullptr) == nullptr) rebuild(input, depth + 1);
+      inputs.push_back(e);  // pinned by materialize until unpin below
+    }
+    void* ptr = device_.allocate(bytes_of(id));
+    const double seconds = program_.replay_seconds[id];
+    backend_.run_compute(seconds);
+    recompute_s_ += seconds;
+    entry->attach_device_copy(ptr);
+    manager_.complete_recompute(entry, true, seconds);
+    for (SimulatedActivation* e : inputs) manager_.unpin(e);
   }
 
   void offload(int64_t id, bool wait) {
@@ -297,6 +349,15 @@ ReplayResult replay(const ReplayProgram& program, const ReplayConfig& config) {
   const size_t n = program.codes.size();
   if (program.tensors.size() != n || program.seconds.size() != n || program.prologue_length > n) {
     throw std::invalid_argument("replay: codes, tensors and seconds must have one entry per instruction");
+  }
+  const size_t tensors = program.tensor_bytes.size();
+  if (!program.replay_seconds.empty() &&
+      (program.replay_seconds.size() != tensors || program.replay_input_offsets.size() != tensors + 1 ||
+       static_cast<size_t>(program.replay_input_offsets.back()) != program.replay_inputs.size())) {
+    throw std::invalid_argument("replay: replay_seconds / replay_input_offsets do not match the tensors");
+  }
+  for (int64_t input : program.replay_inputs) {
+    if (input < 0 || static_cast<size_t>(input) >= tensors) throw std::invalid_argument("replay: bad replay input");
   }
   Replayer replayer(program, config);
   return replayer.run();

@@ -11,6 +11,12 @@
 // baselines that do not use the manager (save_on_cpu, torchtune-style
 // offloading with a prefetch window). The body runs `iterations` times; the
 // manager predicts from the previous iteration, so only the last is measured.
+// A packed tensor with a replay cost is declared recomputable to the manager
+// (set_recompute_info, with its managed inputs); when an unpack finds it
+// dropped, the driver does what the torch binding's lineage replay does:
+// materialize its managed inputs (recursively rebuilding dropped ones),
+// allocate it, run the compute stream for the replay cost (counted as
+// recompute) and complete_recompute().
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +47,13 @@ struct ReplayProgram {
   std::vector<int64_t> tensors;        // tensor id per instruction (-1: none)
   std::vector<double> seconds;         // duration per instruction (compute, recompute)
   size_t prologue_length = 0;          // leading instructions run once (parameters)
+  // Recompute (Note [Replay programs]): per tensor, the modelled seconds of
+  // replaying what produced it (<= 0: not recomputable), and the managed
+  // tensors that replay reads, as CSR rows (offsets has one entry per tensor
+  // plus one; empty vectors: nothing is recomputable).
+  std::vector<double> replay_seconds;
+  std::vector<int64_t> replay_input_offsets;
+  std::vector<int64_t> replay_inputs;
 };
 
 struct ReplayConfig {
@@ -49,7 +62,7 @@ struct ReplayConfig {
   double link_bytes_per_s = 1e10;
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
-  ManagerConfig manager;
+  ManagerConfig manager;               // policy, actions, prefetch, watermark, link
   int iterations = 2;
 };
 
@@ -66,6 +79,8 @@ struct ReplayResult {
   size_t swap_out_bytes = 0;
   size_t swap_in_bytes = 0;
   size_t eviction_count = 0;
+  size_t drop_count = 0;               // evictions that dropped (to recompute)
+  size_t recompute_count = 0;
   size_t prefetch_hits = 0;
   size_t prefetch_misses = 0;
 };

@@ -27,6 +27,8 @@ py::dict to_dict(const ReplayResult& r) {
   d["swap_out_bytes"] = r.swap_out_bytes;
   d["swap_in_bytes"] = r.swap_in_bytes;
   d["eviction_count"] = r.eviction_count;
+  d["drop_count"] = r.drop_count;
+  d["recompute_count"] = r.recompute_count;
   d["prefetch_hits"] = r.prefetch_hits;
   d["prefetch_misses"] = r.prefetch_misses;
   return d;
@@ -41,9 +43,11 @@ void bind_sim(py::module_& m) {
       [](std::vector<uint64_t> tensor_bytes, std::vector<uint8_t> codes, std::vector<int64_t> tensors,
          std::vector<double> seconds, size_t prologue_length, size_t budget_bytes, size_t capacity_bytes,
          double link_bytes_per_s, bool use_manager, const std::string& policy, size_t prefetch_bytes,
-         double high_watermark, int iterations) {
+         double high_watermark, int iterations, const std::string& actions, std::vector<double> replay_seconds,
+         std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
-                              prologue_length};
+                              prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
+                              std::move(replay_inputs)};
         ReplayConfig config;
         config.budget_bytes = budget_bytes;
         config.capacity_bytes = capacity_bytes;
@@ -52,6 +56,8 @@ void bind_sim(py::module_& m) {
         config.manager.policy = policy;
         config.manager.prefetch_bytes = prefetch_bytes;
         config.manager.high_watermark = high_watermark;
+        config.manager.actions = actions;
+        config.manager.link_bytes_per_s = link_bytes_per_s;
         config.iterations = iterations;
         ReplayResult result;
         {
@@ -63,7 +69,9 @@ void bind_sim(py::module_& m) {
       py::arg("tensor_bytes"), py::arg("codes"), py::arg("tensors"), py::arg("seconds"),
       py::arg("prologue_length"), py::arg("budget_bytes"), py::arg("capacity_bytes"),
       py::arg("link_bytes_per_s"), py::arg("use_manager"), py::arg("policy"), py::arg("prefetch_bytes"),
-      py::arg("high_watermark"), py::arg("iterations") = 2,
+      py::arg("high_watermark"), py::arg("iterations") = 2, py::arg("actions") = "swap",
+      py::arg("replay_seconds") = std::vector<double>{}, py::arg("replay_input_offsets") = std::vector<int64_t>{},
+      py::arg("replay_inputs") = std::vector<int64_t>{},
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");

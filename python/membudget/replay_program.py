@@ -27,7 +27,12 @@ import torch
 from . import costs
 from .trace import Trace
 
-__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "managed_tensors", "release_points", "compile_program"]
+__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "managed_tensors", "release_points", "replay_costs",
+           "compile_program"]
+
+# Replays deeper than this many unmanaged producers are not offered (as the
+# runtime's lineage replay, python/membudget/replay.py, refuses deep ones).
+MAX_REPLAY_DEPTH = 200
 
 STRATEGIES = ("manager", "none", "checkpoint-blocks", "swap-all", "offload-prefetch")
 
@@ -49,6 +54,9 @@ class Program:
     tensors: List[int] = field(default_factory=list)
     seconds: List[float] = field(default_factory=list)
     prologue_length: int = 0
+    replay_seconds: List[float] = field(default_factory=list)
+    replay_input_offsets: List[int] = field(default_factory=list)
+    replay_inputs: List[int] = field(default_factory=list)
 
     def emit(self, code: int, tensor: int = -1, seconds: float = 0.0) -> None:
         """Append one instruction."""
@@ -102,6 +110,52 @@ def release_points(trace: Trace, tid: int) -> Dict[str, object]:
     return {"pack": pack, "forward_release": forward_release, "uses": uses}
 
 
+def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int]):
+    """Per managed tensor, what the runtime's lineage replay would run to
+    rebuild it: ``(seconds, managed inputs)``, with seconds the producer's
+    duration plus, recursively, the producers of unmanaged inputs that are no
+    longer alive at its first unpack (parameters and live tensors are
+    available; managed inputs are the manager's to bring back). A storage an
+    in-place op wrote after its producer is not recomputable (seconds 0), as
+    in the runtime."""
+    managed_set = set(managed)
+    mutated = set()
+    for op in trace.ops:
+        base = op.name.split(".")[1] if op.name.count(".") >= 2 else op.name
+        if base.endswith("_") and not base.startswith("_") and op.inputs:
+            mutated.add(op.inputs[0])
+    costs: Dict[int, tuple] = {}
+    for tid in managed:
+        t = trace.tensors[tid]
+        if tid in mutated or t.producer is None:
+            costs[tid] = (0.0, [])
+            continue
+        first_use = min((u for u, p in zip(trace.unpack_ops, trace.unpack_order) if p == tid), default=len(trace.ops))
+        seconds, inputs, seen = 0.0, [], set()
+        stack, ok = [(t.producer, 0)], True
+        while stack and ok:
+            op_index, depth = stack.pop()
+            if op_index in seen:
+                continue
+            seen.add(op_index)
+            if depth > MAX_REPLAY_DEPTH:
+                ok = False
+                break
+            seconds += durations[op_index]
+            for u in trace.ops[op_index].inputs:
+                src = trace.tensors[u]
+                if u == tid or src.producer is None:
+                    continue
+                if u in managed_set:
+                    inputs.append(u)
+                elif u in mutated:
+                    ok = False
+                elif src.dies_after is not None and src.dies_after < first_use:
+                    stack.append((src.producer, depth + 1))
+        costs[tid] = (max(seconds, 1e-12), sorted(set(inputs))) if ok else (0.0, [])
+    return costs
+
+
 def _checkpoint_plan(trace: Trace, managed: Sequence[int]):
     """For checkpoint-blocks: the dropped tensors (saved, produced inside a
     block and not used outside it) and, per block, the op before which its
@@ -124,10 +178,11 @@ def _checkpoint_plan(trace: Trace, managed: Sequence[int]):
 
 
 def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min_tensor_bytes: int,
-                    window: int = 2) -> Program:
+                    window: int = 2, recompute: bool = True) -> Program:
     """The replay program of ``trace`` under ``strategy`` (one of
     :data:`STRATEGIES`, module doc). ``window``: tensors prefetched ahead by
-    ``offload-prefetch``."""
+    ``offload-prefetch``; ``recompute``: declare managed tensors recomputable
+    to the manager (:func:`replay_costs`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: known are {', '.join(STRATEGIES)}")
     n = len(trace.ops)
@@ -145,6 +200,14 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
     if strategy == "checkpoint-blocks":
         dropped, recompute_at = _checkpoint_plan(trace, managed)
 
+    if strategy == "manager" and recompute:
+        table = replay_costs(trace, durations, managed)
+        prog.replay_input_offsets.append(0)
+        for t in trace.tensors:
+            seconds, inputs = table.get(t.id, (0.0, []))
+            prog.replay_seconds.append(seconds)
+            prog.replay_inputs.extend(inputs)
+            prog.replay_input_offsets.append(len(prog.replay_inputs))
     pack_code = {"manager": Code.PACK, "swap-all": Code.OFFLOAD_SYNC, "offload-prefetch": Code.OFFLOAD_ASYNC}
     unpack_code = Code.UNPACK if strategy == "manager" else Code.RESTORE
     unpack_sequence = [tid for tid in trace.unpack_order if tid in points]

@@ -72,15 +72,16 @@ def policies() -> List[str]:
 
 def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, capacity: int,
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
-            window: int) -> Dict[str, object]:
+            window: int, actions: str = "swap") -> Dict[str, object]:
     from ._native import load_extension
 
-    program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window)
+    program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
+                              recompute=actions != "swap")
     return load_extension().sim.replay(
         program.tensor_bytes, program.codes, program.tensors, program.seconds, program.prologue_length,
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
-        high_watermark)
+        high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs)
 
 
 def unbudgeted_peak(trace: Trace, device: Union[str, costs.DeviceModel] = "h200") -> int:
@@ -108,6 +109,7 @@ def resolve_budgets(budgets: Sequence[Union[int, str]], reference_peak: int) -> 
 def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optional[Sequence[str]] = None,
              device: Union[str, costs.DeviceModel] = "h200", *, baselines: Sequence[str] = BASELINES,
              min_tensor_bytes: int = 1 << 20, prefetch_bytes: int = 256 << 20, high_watermark: float = 0.8,
+             actions: str = "both",
              offload_window: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
@@ -116,8 +118,11 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     filters) and each baseline, on ``device`` (a name from
     :data:`membudget.costs.DEVICES` or a :class:`~membudget.costs.DeviceModel`).
 
-    ``min_tensor_bytes``, ``prefetch_bytes`` and ``high_watermark`` are the
-    runtime's settings of the same names; ``offload_window`` is the number of
+    ``min_tensor_bytes``, ``prefetch_bytes``, ``high_watermark`` and
+    ``actions`` (``swap``, ``recompute``, ``both``) are the runtime's settings
+    of the same names (with recompute allowed, a dropped tensor's replay
+    costs its modelled producer ops, see
+    :func:`membudget.replay_program.replay_costs`); ``offload_window`` is the number of
     tensors ``offload-prefetch`` brings back ahead. ``measured`` picks measured
     op durations over the roofline (default: when the trace has them and the
     device is ``cpu-host``). ``device_capacity`` overrides the device's memory
@@ -150,7 +155,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     for name, b in jobs:
         strategy = "manager" if name not in BASELINES else name
         r = _replay(trace, durations, strategy, name, b, capacity, model, min_tensor_bytes, prefetch_bytes,
-                    high_watermark, offload_window)
+                    high_watermark, offload_window, actions)
         step = float(r["total_s"])
         base = floors.get(b) or compute_total
         rows.append(SimRow(
