@@ -1,6 +1,6 @@
 """Simulator benchmark: validation against real CPU runs, and the policy table on h200.
 
-    python bench/bench_simulate.py validate [--quick]   # cpu-host predictions vs real runs
+    python bench/bench_simulate.py validate [--quick] [--actions both]  # cpu-host predictions vs real runs
     python bench/bench_simulate.py table [--models gpt2,bert,...] [--budgets 80%,60%,40%]
 
 ``validate``: for each workload of membudget.models, real runs in fresh
@@ -8,8 +8,10 @@ processes (membudget.harness: plain, unbudgeted, managed at each budget with
 the delta policy, one torch thread), and beside them a trace of the same step
 (real tensors, measured op durations, one thread) simulated with the
 ``cpu-host`` device model at the same budgets and settings. Prints predicted
-and measured peak reserved bytes, and predicted stall + recompute against the
-measured stall and the measured step-time overhead over the plain run.
+and measured peak reserved bytes, bytes swapped per step, and predicted stall +
+recompute against the measured stall per step (the run's counters over its
+steps, divided by their number) and the measured step-time overhead over the
+plain run (medians).
 
 ``table``: each model of membudget.sim_models traced on fake tensors and
 simulated on ``h200`` at each budget (percent of its unbudgeted peak) under
@@ -54,13 +56,16 @@ def _trace_workload(workload):
     return membudget.trace(step, setup=setup, warmup=1, metadata={"model": workload.name})
 
 
-def validate(size: str, fractions, steps: int) -> None:
+def validate(size: str, fractions, steps: int, actions: str = "swap") -> None:
     """Print the validation table (see module doc)."""
+    import os
+
     torch.set_num_threads(1)
+    os.environ["MEMBUDGET_ACTIONS"] = actions  # the workers read it in install()
     command = [sys.executable, "-m", "membudget.demo"]
-    print("| model | budget | peak predicted | peak measured | error | stall+recompute predicted | "
-          "stall measured | step overhead measured |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
+          "stall+recompute predicted | stall measured | step overhead measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ("gpt", "cnn"):
         workload = models.WORKLOADS[name][size]()
         base = dict(model=name, size=size, steps=steps, threads=1)
@@ -74,7 +79,7 @@ def validate(size: str, fractions, steps: int) -> None:
         budgets = [int(f * peak) for f in fractions]
         predicted = {r.budget_bytes: r for r in simulate(
             trace, [peak, *budgets], ["delta"], "cpu-host", baselines=(),
-            min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES)}
+            min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=actions)}
         for fraction, budget in zip([1.0, *fractions], [peak, *budgets]):
             if fraction == 1.0:
                 real = free
@@ -86,11 +91,15 @@ def validate(size: str, fractions, steps: int) -> None:
                 print(f"| {name} | {fraction:.0%} | {p.peak_reserved_bytes / MiB:.1f} MiB | run failed | | | | |")
                 continue
             measured = real["stats"]["reserved_bytes.all.peak"]
+            # The run's counters cover all its steps: per step, to compare with one simulated step.
+            swapped = (real["stats"]["swap_out_bytes"] + real["stats"]["swap_in_bytes"]) / steps
+            stall = real["stats"]["stall_seconds"] / steps
             overhead = real["median_step_s"] - plain["median_step_s"]
             print(f"| {name} | {fraction:.0%} ({budget / MiB:.1f} MiB) | "
                   f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | "
                   f"{measured / MiB:.1f} MiB | {(p.peak_reserved_bytes - measured) / measured:+.1%} | "
-                  f"{(p.stall_s + p.recompute_s) * 1e3:.1f} ms | {real['stats']['stall_seconds'] * 1e3:.1f} ms | "
+                  f"{p.swap_bytes / MiB:.0f} MiB | {swapped / MiB:.0f} MiB | "
+                  f"{(p.stall_s + p.recompute_s) * 1e3:.1f} ms | {stall * 1e3:.1f} ms | "
                   f"{overhead * 1e3:.1f} ms (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
                   f"predicted step {p.step_s * 1e3:.0f} ms) |")
         sys.stdout.flush()
@@ -132,13 +141,14 @@ def main() -> int:
     v = sub.add_parser("validate")
     v.add_argument("--quick", action="store_true", help="the small test-sized workloads")
     v.add_argument("--steps", type=int, default=5)
+    v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
     t.add_argument("--budgets", default="80%,60%,40%")
     t.add_argument("--device", default="h200")
     args = parser.parse_args()
     if args.command == "validate":
-        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps)
+        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.actions)
     else:
         table(args.models.split(","), args.budgets.split(","), args.device)
     return 0

@@ -6,7 +6,7 @@ record a trace with :func:`membudget.trace`; nothing is downloaded and no
 weight is materialised. Transformer configurations are the published ones
 (GPT-2 small, BERT base, Llama-2-7B); ResNet-50 is the torchvision layout
 written out here (torchvision is not a dependency); ``lstm-nmt`` is a GNMT-style
-encoder-decoder (4+4 LSTM layers of 1024, 32k vocabulary).
+encoder-decoder (4+4 LSTM layers of 1024, an 8k joint BPE vocabulary).
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class LstmNmt(nn.Module):
     4-layer LSTM decoder (1024 wide) started from the encoder's state, with
     dot-product attention over the encoder outputs and a vocabulary head."""
 
-    def __init__(self, vocab: int = 32000, width: int = 1024, layers: int = 4):
+    def __init__(self, vocab: int = 8000, width: int = 1024, layers: int = 4):
         super().__init__()
         self.embed_src, self.embed_tgt = nn.Embedding(vocab, width), nn.Embedding(vocab, width)
         self.encoder = nn.LSTM(width, width, layers, batch_first=True)
@@ -153,7 +153,7 @@ def _resnet_step(state) -> None:
 
 def _lstm_setup(batch: int, seq: int, dtype: torch.dtype):
     model = _with_dtype(dtype, LstmNmt)
-    return model, torch.randint(0, 32000, (batch, seq)), torch.randint(0, 32000, (batch, seq + 1))
+    return model, torch.randint(0, 8000, (batch, seq)), torch.randint(0, 8000, (batch, seq + 1))
 
 
 def _lstm_step(state) -> None:
@@ -168,7 +168,7 @@ SIM_MODELS: Dict[str, SimModel] = {
     "resnet50": SimModel("resnet50", 64, 224, torch.float32, _resnet_setup, _resnet_step),
     "llama-7b": SimModel("llama-7b", 8, 4096, torch.bfloat16,
                          _lm_setup(_llama7b_config, "LlamaForCausalLM", 32000), _lm_step),
-    "lstm-nmt": SimModel("lstm-nmt", 64, 50, torch.float32, _lstm_setup, _lstm_step),
+    "lstm-nmt": SimModel("lstm-nmt", 64, 100, torch.float32, _lstm_setup, _lstm_step),
 }
 
 
