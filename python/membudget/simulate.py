@@ -145,8 +145,9 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
         from .optimal import optimal
 
         for b in budget_bytes:
-            solution = optimal(trace, b, model, min_tensor_bytes=min_tensor_bytes, durations=durations,
-                               time_limit_s=floor_time_limit_s)
+            # The device's memory caps a budget above it, in the floor as in the replay.
+            solution = optimal(trace, min(b, capacity), model, min_tensor_bytes=min_tensor_bytes,
+                               durations=durations, time_limit_s=floor_time_limit_s)
             floors[b] = compute_total + solution.overhead_s if solution.feasible else None
             done += 1
             if progress:
