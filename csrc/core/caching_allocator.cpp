@@ -230,6 +230,16 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
         block = self.new_segment(pool, stream, size);
       }
     }
+    if (block == nullptr && &pool == &self.small_pool) {                // rung 3b
+      // Near the budget a small request may find no small segment and no
+      // room for one while large segments have free pieces: borrow one
+      // rather than evict. The piece stays in the large pool (it merges back
+      // there when freed); the remainder is split off at small granularity.
+      block = self.large_pool.take_best_fit(stream, size);
+      if (block != nullptr && block->size - size >= kMinBlockSize) {
+        self.large_pool.insert(self.large_pool.split(block, size));
+      }
+    }
     if (block != nullptr) return self.hand_out(block, bytes);
 
     Evictor* evictor = self.evictor;                                     // rung 4

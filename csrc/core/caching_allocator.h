@@ -9,7 +9,8 @@
 // Note [OOM ladder]: allocate() tries, in order,
 //   1. a cached free block (best fit, same stream, split if large enough);
 //   2. a new segment within the budget;
-//   3. release cached free segments, then a new segment;
+//   3. release cached free segments, then a new segment; for a small
+//      request, then a free piece of a large segment;
 //   4. the Evictor (residency manager) frees memory, then retry 1-3
 //      (repeated while it makes progress);
 //   5. throw OutOfMemory with budget, reserved, allocated, evictable bytes and

@@ -17,6 +17,9 @@
 #include "core/caching_allocator.h"
 #include "core/host_backend.h"
 #include "core/out_of_memory.h"
+#include "core/policy/director.h"
+#include "core/policy/filters.h"
+#include "core/policy/neighbourhood.h"
 #include "core/units.h"
 #include "torch/bindings.h"
 
@@ -283,6 +286,46 @@ void bind_allocator(py::module_& core) {
            py::arg("evictor").none(true));
 }
 
+// The director and filters as pure functions, so tests can check each rule.
+void bind_policy(py::module_& core) {
+  core.def("decide", [](const py::dict& f, const std::string& actions) {
+    VictimFacts facts;
+    facts.bytes = f["bytes"].cast<size_t>();
+    facts.host_valid = f.contains("host_valid") && f["host_valid"].cast<bool>();
+    facts.host_room = !f.contains("host_room") || f["host_room"].cast<bool>();
+    facts.recomputable = f.contains("recomputable") && f["recomputable"].cast<bool>();
+    if (f.contains("recompute_seconds")) facts.recompute_seconds = f["recompute_seconds"].cast<double>();
+    if (f.contains("link_bytes_per_s")) facts.link_bytes_per_s = f["link_bytes_per_s"].cast<double>();
+    if (f.contains("d2h_queued_bytes")) facts.d2h_queued_bytes = f["d2h_queued_bytes"].cast<size_t>();
+    if (f.contains("h2d_queued_bytes")) facts.h2d_queued_bytes = f["h2d_queued_bytes"].cast<size_t>();
+    if (f.contains("seconds_until_next_use")) facts.seconds_until_next_use = f["seconds_until_next_use"].cast<double>();
+    Decision d = decide(facts, AllowedActions::parse(actions));
+    py::dict out;
+    out["action"] = action_name(d.action);
+    out["reason"] = d.reason;
+    out["swap_stall_seconds"] = d.swap_stall_seconds;
+    out["recompute_stall_seconds"] = d.recompute_stall_seconds;
+    return out;
+  }, py::arg("facts"), py::arg("actions") = "both", "The director's choice for one victim (facts as a dict).");
+  core.def("filter_score", [](const std::string& name, const py::dict& f, uint64_t clock) {
+    EvictionCandidate c;
+    c.bytes = f["bytes"].cast<size_t>();
+    if (f.contains("host_valid")) c.host_valid = f["host_valid"].cast<bool>();
+    if (f.contains("last_access")) c.last_access = f["last_access"].cast<uint64_t>();
+    if (f.contains("next_use_distance")) c.next_use_distance = f["next_use_distance"].cast<int64_t>();
+    if (f.contains("cost_seconds")) c.cost_seconds = f["cost_seconds"].cast<double>();
+    if (f.contains("neighbourhood_seconds")) c.neighbourhood_seconds = f["neighbourhood_seconds"].cast<double>();
+    if (f.contains("copy_seconds")) c.copy_seconds = f["copy_seconds"].cast<double>();
+    FilterContext context{clock, 0};
+    return make_filter(name)->score(c, context);
+  }, py::arg("policy"), py::arg("candidate"), py::arg("clock"), "A filter's score (higher: evicted first).");
+  py::class_<EvictedNeighbourhoods>(core, "EvictedNeighbourhoods", "DTR's union-find of dropped entries.")
+      .def(py::init<>())
+      .def("add", &EvictedNeighbourhoods::add)
+      .def("remove", &EvictedNeighbourhoods::remove)
+      .def("cost_of", &EvictedNeighbourhoods::cost_of);
+}
+
 }  // namespace
 
 void bind_core(py::module_& m) {
@@ -292,6 +335,7 @@ void bind_core(py::module_& m) {
   bind_events_and_backends(core);
   bind_evictors(core);
   bind_allocator(core);
+  bind_policy(core);
 }
 
 }  // namespace membudget

@@ -124,12 +124,23 @@ def install(
             raise RuntimeError("membudget.install() again must run on the thread that called it first")
         if _hooks_thread is not None:
             _pop_hooks()
-        _push_hooks(native, config, plan)
+        _push_hooks(native, config, plan, target)
         _hooks_thread = threading.get_ident()
     return config
 
 
-def _push_hooks(native, config: Config, plan) -> None:
+def _cuda_device_model(device: torch.device):
+    """The cost model's closest device for a CUDA device (by name)."""
+    from .costs import device_model
+
+    name = torch.cuda.get_device_name(device).lower()
+    for key, model in (("h200", "h200"), ("h100", "h200"), ("a100", "a100-40gb"), ("4090", "rtx4090")):
+        if key in name:
+            return device_model(model)
+    return device_model("a100-40gb")
+
+
+def _push_hooks(native, config: Config, plan, device: torch.device) -> None:
     """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
     global _lineage, _lineage_mode
     if not config.records_lineage:
@@ -139,7 +150,7 @@ def _push_hooks(native, config: Config, plan) -> None:
     from .lineage import Lineage, LineageMode
     from .replay import rebuild_entry
 
-    lineage = Lineage(native, plan)
+    lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
 

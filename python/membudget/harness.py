@@ -68,6 +68,15 @@ _STAT_KEYS = (
     "stall_seconds",
     "num_alloc_retries",
     "num_ooms",
+    # Recomputation (issue 3).
+    "recompute_count",
+    "recompute_bytes",
+    "recompute_seconds",
+    "drop_count",
+    "dropped_bytes",
+    "planned_drops",
+    "evictions_wasted",
+    "link_bytes_per_s",
 )
 
 
@@ -76,9 +85,11 @@ class RunSpec:
     """What one worker process runs: ``model`` names a workload the worker's
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
+    ``actions`` (``swap``, ``recompute`` or ``both``), ``host_budget`` (bytes),
     ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
     (``None``: the library's default); ``threads`` sets torch's intra-op
-    threads (``None``: torch's default)."""
+    threads (``None``: torch's default). Fields added later default to
+    ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
     model: str
     mode: str
@@ -91,6 +102,8 @@ class RunSpec:
     prefetch_bytes: Optional[int] = None
     seed: int = 0
     threads: Optional[int] = None
+    actions: Optional[str] = None
+    host_budget: Optional[int] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -173,6 +186,8 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
         membudget.install(
             budget=spec.budget if spec.mode == "managed" else None,
             policy=spec.policy,
+            actions=spec.actions,
+            host_budget=spec.host_budget,
             min_tensor_bytes=spec.min_tensor_bytes,
             prefetch_bytes=spec.prefetch_bytes,
             device=device,
@@ -209,6 +224,11 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     if membudget is not None:
         stats = membudget.memory_stats()
         result["stats"] = {key: stats.get(key, 0) for key in _STAT_KEYS}
+        from . import _runtime
+
+        # Forward ops lineage recorded over all steps (0: recomputation not allowed).
+        lineage = _runtime._lineage
+        result["stats"]["ops_recorded"] = lineage.ops_recorded if lineage is not None else 0
     elif device.type == "cuda":
         result["stats"] = {"reserved_bytes.all.peak": torch.cuda.max_memory_reserved(device)}
     else:

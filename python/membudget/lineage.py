@@ -174,9 +174,12 @@ class Lineage:
     """The recorder behind :class:`LineageMode` and the pack hook: one per
     process, fed from the thread that runs forward."""
 
-    def __init__(self, native, plan=None):
+    def __init__(self, native, plan=None, device_model=None):
         self.native = native
         self.plan = plan
+        # For CUDA: a costs.DeviceModel whose roofline stands in for kernel
+        # time (the CPU timer only sees launches; event sampling is not built).
+        self.device_model = device_model
         self.local = threading.local()      # .paused while replaying
         self.op_index = 0                   # recorded ops in this forward
         self.externals: Dict[int, ExternalLineage] = {}
@@ -203,6 +206,12 @@ class Lineage:
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
         lineage = getattr(tensor, _ATTR, None)
+        if lineage is not None and type(lineage) is StorageLineage and tensor._version != lineage.versions[-1]:
+            # Written where lineage could not see (no_grad code such as weight
+            # init, another thread): from here on it is an input we hold, like
+            # a parameter. Such tensors are long-lived buffers in practice.
+            delattr(tensor, _ATTR)
+            lineage = None
         if lineage is None:
             lineage = self.externals.get(id(tensor))
             if lineage is None or lineage.tensor is not tensor:
@@ -339,6 +348,14 @@ def _capture_generator(args, kwargs) -> Optional[Tuple[torch.Generator, torch.Te
     return generator, generator.get_state()
 
 
+def _modelled_seconds(func, args, kwargs, out, device) -> float:
+    from .costs import op_bytes, op_category, op_flops, roofline_seconds
+
+    read, written = op_bytes(args, kwargs, out)
+    dtype = out.dtype if isinstance(out, torch.Tensor) else None
+    return roofline_seconds(op_flops(func, args, kwargs, out), read + written, device, dtype, op_category(func))
+
+
 class LineageMode(TorchDispatchMode):
     """Records forward ops into a :class:`Lineage` (see the module docstring)."""
 
@@ -359,5 +376,8 @@ class LineageMode(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         node.seconds = time.perf_counter() - start
+        if lineage.device_model is not None:
+            # Asynchronous device: the timer saw the launch only.
+            node.seconds = max(node.seconds, _modelled_seconds(func, args, kwargs, out, lineage.device_model))
         lineage.after(node, info, args, kwargs, out)
         return out

@@ -5,8 +5,8 @@ at pack time :func:`closure` tells the residency manager whether a storage can
 be rebuilt, what its own replay costs (the measured durations of every op that
 must run again, down to inputs that will be available) and which managed
 entries it reads. When backward unpacks a dropped entry, the native binding
-calls :func:`rebuild_entry`, which replays the ops with grad disabled and the
-recorded generator state restored, so the rebuilt bytes equal the originals.
+calls :func:`rebuild_entry`, which replays the ops on detached inputs (no
+autograd graph) with the recorded generator state restored, so the rebuilt bytes equal the originals.
 
 Inputs of a replay come from, in order of preference: the managed entry of
 that storage (made resident by the manager: swapped in, or itself rebuilt —
@@ -106,7 +106,10 @@ def rebuild_entry(lineage: Lineage, entry_id: int) -> torch.Tensor:
     was_paused = lineage.paused()
     lineage.local.paused = True
     try:
-        with torch.no_grad():
+        # Grad mode as when recorded (lineage records only with grad enabled;
+        # some kernels, e.g. mkldnn_rnn_layer, return a workspace only then).
+        # Every input is detached, so nothing is recorded by autograd.
+        with torch.enable_grad():
             return _Replayer(lineage).rebuild(storage_lineage, len(storage_lineage.mutations))
     finally:
         lineage.local.paused = was_paused
@@ -135,7 +138,7 @@ class _Replayer:
     def run(self, node: OpNode):
         if not node.replayable:
             raise RecomputeError(f"membudget: {node.name} cannot be replayed")
-        args = self.fill(node.args)
+        args = [self.fill(a) for a in node.args]
         kwargs = {k: self.fill(v) for k, v in node.kwargs.items()}
         if node.rng is not None:
             generator, state = node.rng
@@ -153,12 +156,13 @@ class _Replayer:
         if type(value) is TensorRef:
             return self.resolve(value)
         if isinstance(value, (list, tuple)) and any(type(v) is TensorRef for v in value):
+            # Tensor lists (cat, stack) are one level deep in aten schemas.
             items = [self.fill(v) for v in value]
             return items if isinstance(value, list) else tuple(items)
         return value
 
     def resolve(self, ref: TensorRef) -> torch.Tensor:
-        holder = self.storage_holder(ref)
+        holder = self.storage_holder(ref).detach()
         view = _view(holder, ref)
         return view.clone() if ref.scratch else view
 

@@ -1,0 +1,222 @@
+"""Lineage benchmark: what recording forward ops for recomputation costs per op.
+
+With recomputation allowed (``actions='recompute'`` or ``'both'``),
+membudget enters a Python ``TorchDispatchMode`` (:mod:`membudget.lineage`)
+that records every aten op of the forward pass; with ``actions='swap'`` it
+does not. This bench trains the same model in ONE process, with no budget,
+switching between three configurations by calling ``membudget.install()``
+again (which re-pushes the hooks):
+
+* ``swap``: membudget's saved-tensor hooks, no lineage: the baseline;
+* ``noop-mode``: ``swap`` plus an empty ``TorchDispatchMode`` that only
+  forwards each op: the floor that any Python dispatch mode pays;
+* ``both``: lineage recording (and the pack-time bookkeeping of
+  :meth:`membudget.lineage.Lineage.on_pack`).
+
+The configurations alternate ``--rounds`` times (swap, noop, both, swap, ...);
+each round runs ``--steps`` training steps, of which the first is left out
+(first step after a switch). The overhead per op is
+``(median step time of both - median of swap) / ops recorded per step``,
+the ops per step read from ``membudget._runtime._lineage.ops_recorded``.
+Target (issue 3): at most 10 µs per op.
+
+    python bench/bench_lineage.py [--quick] [--rounds 7] [--steps 6] [--models gpt2,cnn,lstm]
+                                  [--markdown bench/RESULTS.md]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "python"))
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import membudget  # noqa: E402
+from membudget import _runtime  # noqa: E402
+from membudget import models as builtin  # noqa: E402
+from membudget.harness import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
+
+from bench_swap import gpt2, lstm, machine_line  # noqa: E402
+
+TARGET_US_PER_OP = 10.0
+CONFIGURATIONS = ("swap", "noop-mode", "both")
+
+# Sizes: those of tests/models.py (a step in tens of milliseconds on one thread).
+WORKLOADS = {
+    "gpt2": {"default": lambda: gpt2(batch=8, seq=128), "quick": lambda: gpt2(batch=4, seq=64)},
+    "cnn": {"default": builtin.WORKLOADS["cnn"]["default"], "quick": builtin.WORKLOADS["cnn"]["quick"]},
+    "lstm": {"default": lambda: lstm(batch=16, seq=64), "quick": lambda: lstm(batch=8, seq=32)},
+}
+
+
+class ForwardOnlyMode(TorchDispatchMode):
+    """A dispatch mode that does nothing but run the op: the cost floor of
+    any Python ``TorchDispatchMode``, lineage's included."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0  # every op dispatched: forward, backward and optimizer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def switch_to(configuration: str) -> Optional[ForwardOnlyMode]:
+    """Reinstall membudget (no budget) for ``configuration``; returns the
+    entered no-op mode for ``noop-mode`` (exit it before the next switch)."""
+    actions = "both" if configuration == "both" else "swap"
+    membudget.install(budget=None, actions=actions, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    if configuration == "noop-mode":
+        mode = ForwardOnlyMode()
+        mode.__enter__()
+        return mode
+    return None
+
+
+def bench_model(name: str, args) -> Dict[str, Any]:
+    """All rounds of one model; returns its row."""
+    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
+    switch_to("swap")  # install before the model is built, as a user would
+    torch.manual_seed(0)
+    model = workload.build()
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    device = torch.device("cpu")
+
+    def step() -> tuple:
+        """(step seconds, forward seconds)."""
+        start = time.perf_counter()
+        data = workload.batch(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = workload.loss(model, data)
+        forward = time.perf_counter() - start
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        return time.perf_counter() - start, forward
+
+    for _ in range(2):  # warm-up outside the timed rounds
+        step()
+    times: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
+    forward_times: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
+    round_medians: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
+    ops_per_step: List[float] = []
+    dispatched_per_step: List[float] = []
+    for _ in range(args.rounds):
+        for configuration in CONFIGURATIONS:
+            mode = switch_to(configuration)
+            try:
+                gc.collect()
+                measured = [step() for _ in range(args.steps)][1:]
+                if configuration == "both":
+                    ops_per_step.append(_runtime._lineage.ops_recorded / args.steps)
+                if mode is not None:
+                    dispatched_per_step.append(mode.ops / args.steps)
+            finally:
+                if mode is not None:
+                    mode.__exit__(None, None, None)
+            seconds = [total for total, _ in measured]
+            times[configuration].extend(seconds)
+            forward_times[configuration].extend(forward for _, forward in measured)
+            round_medians[configuration].append(statistics.median(seconds))
+    membudget.install(budget=None, actions="swap")  # stop recording before the next model
+    medians = {c: statistics.median(times[c]) for c in CONFIGURATIONS}
+    forward_medians = {c: statistics.median(forward_times[c]) for c in CONFIGURATIONS}
+    ops = statistics.median(ops_per_step)
+    dispatched = statistics.median(dispatched_per_step)
+    # Per-round differences (each round's configurations ran back to back):
+    # their spread says how much to trust the median difference.
+    per_round_us = [(b - s) / ops * 1e6 for b, s in zip(round_medians["both"], round_medians["swap"])]
+    row = {
+        "model": name,
+        "ops": ops,
+        "swap_ms": medians["swap"] * 1e3,
+        "noop_ms": medians["noop-mode"] * 1e3,
+        "both_ms": medians["both"] * 1e3,
+        "us_per_op": (medians["both"] - medians["swap"]) / ops * 1e6,
+        "noop_us_per_op": (medians["noop-mode"] - medians["swap"]) / ops * 1e6,
+        "forward_us_per_op": (forward_medians["both"] - forward_medians["swap"]) / ops * 1e6,
+        "dispatched": dispatched,
+        "us_per_dispatched": (medians["both"] - medians["swap"]) / dispatched * 1e6,
+        "noop_us_per_dispatched": (medians["noop-mode"] - medians["swap"]) / dispatched * 1e6,
+        "ratio": medians["both"] / medians["swap"],
+        "per_round_us": per_round_us,
+    }
+    print(f"[{name}] {ops:.0f} ops/step, swap {row['swap_ms']:.1f} ms, both {row['both_ms']:.1f} ms, "
+          f"{row['us_per_op']:.1f} µs/op (rounds: {', '.join(f'{u:.1f}' for u in per_round_us)})", flush=True)
+    return row
+
+
+def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
+    """The results table, as text columns or as a markdown table."""
+    header = ["model", "recorded ops/step", "dispatched ops/step", "swap ms", "noop-mode ms", "both ms",
+              "µs/recorded op", "(per round)", "fwd-only µs/recorded op", "µs/dispatched op",
+              "noop-mode µs/dispatched op", "step ratio both/swap", f"≤ {TARGET_US_PER_OP:.0f} µs/op"]
+    body = [[r["model"], f"{r['ops']:.0f}", f"{r['dispatched']:.0f}", f"{r['swap_ms']:.1f}", f"{r['noop_ms']:.1f}",
+             f"{r['both_ms']:.1f}", f"{r['us_per_op']:.1f}",
+             f"{min(r['per_round_us']):.0f}..{max(r['per_round_us']):.0f}", f"{r['forward_us_per_op']:.1f}",
+             f"{r['us_per_dispatched']:.1f}", f"{r['noop_us_per_dispatched']:.1f}", f"{r['ratio']:.2f}x",
+             "yes" if r["us_per_op"] <= TARGET_US_PER_OP else "NO"] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+    widths = [max(len(header[i]), *(len(cells[i]) for cells in body)) for i in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in body]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 7; 2 with --quick)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per configuration and round, the first left out (default 6; 3 with --quick)")
+    parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated subset of "
+                        + ",".join(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's)")
+    parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 7)
+    args.steps = args.steps or (3 if args.quick else 6)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first is left out)")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {', '.join(WORKLOADS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    started = time.perf_counter()
+    rows = [bench_model(model, args) for model in models]
+    elapsed = time.perf_counter() - started
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_lineage.py", *argv])
+    setup = (f"{machine_line('cpu', args.threads)}; {args.rounds} rounds of swap / noop-mode / both, "
+             f"{args.steps} steps each (first left out); {elapsed:.0f} s in all")
+    print(f"\n{command}\n{setup}")
+    print(format_rows(rows, markdown=False))
+    if args.markdown:
+        with open(args.markdown, "a") as out:
+            out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{format_rows(rows, markdown=True)}\n")
+    return 0 if all(r["us_per_op"] <= TARGET_US_PER_OP for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The director's rules and the filters' orderings, as pure functions of the
+facts the residency manager measures (csrc/core/policy/)."""
+import pytest
+
+from membudget._native import load_extension
+
+pytestmark = pytest.mark.requires_native
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def core():
+    return load_extension().core
+
+
+def test_director_picks_the_smaller_stall(core):
+    facts = dict(bytes=100 * MiB, recomputable=True, link_bytes_per_s=1e9, seconds_until_next_use=0.0)
+    slow_link = core.decide(dict(facts, recompute_seconds=0.01))
+    assert slow_link["action"] == "recompute"
+    assert slow_link["swap_stall_seconds"] == pytest.approx(2 * 100 * MiB / 1e9)
+    expensive_replay = core.decide(dict(facts, recompute_seconds=1.0))
+    assert expensive_replay["action"] == "swap"
+
+
+def test_time_until_next_use_hides_the_copy_in(core):
+    facts = dict(bytes=100 * MiB, recomputable=True, link_bytes_per_s=1e9, recompute_seconds=0.15)
+    assert core.decide(dict(facts, seconds_until_next_use=0.0))["action"] == "recompute"
+    far = core.decide(dict(facts, seconds_until_next_use=10.0))
+    assert far["action"] == "swap" and far["swap_stall_seconds"] == pytest.approx(100 * MiB / 1e9)
+
+
+def test_queued_copies_count_against_swapping(core):
+    facts = dict(bytes=10 * MiB, recomputable=True, link_bytes_per_s=1e9, recompute_seconds=0.05,
+                 seconds_until_next_use=1.0)
+    assert core.decide(facts)["action"] == "swap"
+    assert core.decide(dict(facts, d2h_queued_bytes=200 * MiB))["action"] == "recompute"
+
+
+def test_director_hard_rules(core):
+    base = dict(bytes=MiB, link_bytes_per_s=1e9)
+    assert core.decide(dict(base, recomputable=False, recompute_seconds=0.0))["reason"] == "not recomputable"
+    full = core.decide(dict(base, recomputable=True, host_room=False, recompute_seconds=5.0))
+    assert (full["action"], full["reason"]) == ("recompute", "host tier full")
+    free = core.decide(dict(base, recomputable=True, host_valid=True, recompute_seconds=0.0))
+    assert (free["action"], free["reason"]) == ("swap", "host copy already valid")
+    assert core.decide(dict(base, recomputable=True), "swap")["reason"] == "actions=swap"
+    assert core.decide(dict(base, recomputable=True, recompute_seconds=9.0), "recompute")["action"] == "recompute"
+    assert core.decide(dict(base, recomputable=False), "recompute")["action"] == "none"
+    assert core.decide(dict(base, recomputable=False, host_room=False))["action"] == "none"
+    with pytest.raises(ValueError, match="swap, recompute, both"):
+        core.decide(dict(base), "drop")
+
+
+def test_dtr_prefers_large_stale_cheap_victims(core):
+    cheap = dict(bytes=MiB, last_access=0, cost_seconds=0.001)
+    assert core.filter_score("dtr", cheap, 10) > core.filter_score("dtr", dict(cheap, cost_seconds=0.01), 10)
+    assert core.filter_score("dtr", cheap, 10) > core.filter_score("dtr", dict(cheap, last_access=9), 10)
+    assert core.filter_score("dtr", dict(cheap, bytes=2 * MiB), 10) > core.filter_score("dtr", cheap, 10)
+    # An evicted neighbourhood makes evicting it costlier (its replay would
+    # trigger theirs).
+    assert core.filter_score("dtr", cheap, 10) > core.filter_score("dtr", dict(cheap, neighbourhood_seconds=0.1), 10)
+
+
+def test_msps_is_memory_saved_per_second(core):
+    a = core.filter_score("msps", dict(bytes=4 * MiB, cost_seconds=0.002), 0)
+    b = core.filter_score("msps", dict(bytes=MiB, cost_seconds=0.001), 0)
+    assert a == pytest.approx(2 * b, rel=1e-3)
+
+
+def test_delta_prefers_far_next_use_and_cheap_actions(core):
+    near = dict(bytes=MiB, next_use_distance=1, cost_seconds=0.001, copy_seconds=0.001)
+    far = dict(near, next_use_distance=50)
+    assert core.filter_score("delta", far, 0) > core.filter_score("delta", near, 0)
+    costly = dict(far, cost_seconds=0.01)
+    assert core.filter_score("delta", far, 0) > core.filter_score("delta", costly, 0)
+    assert core.filter_score("delta", dict(far, host_valid=True), 0) >= core.filter_score("delta", far, 0)
+
+
+def test_neighbourhood_classes_merge_and_shrink(core):
+    n = core.EvictedNeighbourhoods()
+    n.add(1, 1.0, [])
+    n.add(2, 2.0, [1])      # joins 1's class
+    n.add(5, 4.0, [])
+    assert n.cost_of([1]) == pytest.approx(3.0)
+    assert n.cost_of([1, 2, 5]) == pytest.approx(7.0)  # each class once
+    n.remove(2, 2.0)
+    assert n.cost_of([1]) == pytest.approx(1.0)
+    assert n.cost_of([7]) == 0.0
