@@ -246,8 +246,12 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
         for tid in trace.ops[i].outputs:
             t = trace.tensors[tid]
             if tid in dropped and trace.ops[i].phase == "forward":
+                # checkpoint-blocks: freed after its last forward use, rebuilt before backward.
                 last = max([i, *(c for c in t.consumers if trace.ops[c].phase == "forward")])
-                after[last].append((Code.FREE, tid)) if last > i else prog.emit(Code.FREE, tid)
+                if last > i:
+                    after[last].append((Code.FREE, tid))
+                else:
+                    prog.emit(Code.FREE, tid)
         for t_id in dying[i]:
             if t_id not in dropped or trace.ops[i].phase != "forward":
                 prog.emit(Code.FREE, t_id)
