@@ -72,6 +72,19 @@ struct ManagerStats {
   uint64_t iteration = 0;
 };
 
+// One entry as snapshot() reports it, for tests and debugging.
+struct EntryInfo {
+  uint64_t id = 0;
+  size_t bytes = 0;
+  const char* state = "";
+  int pins = 0;
+  bool externally_referenced = false;
+  bool recomputable = false;
+  bool host_valid = false;
+  uint64_t iteration = 0;
+  uint64_t pack_seq = 0;
+};
+
 class ResidencyManager final : public Evictor {
  public:
   ResidencyManager(Backend& backend, CachingAllocator& device, CachingAllocator& host_tier,
@@ -119,6 +132,7 @@ class ResidencyManager final : public Evictor {
   void synchronize();
 
   ManagerStats stats() const;
+  std::vector<EntryInfo> snapshot() const;
   void reset_counters();
   // Forgets the recorded unpack order (a new model or a new install).
   void reset_prediction();

@@ -191,4 +191,25 @@ void ResidencyManager::note_interval(double& average, std::chrono::steady_clock:
   last = now;
 }
 
+std::vector<EntryInfo> ResidencyManager::snapshot() const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  std::vector<EntryInfo> result;
+  result.reserve(entries_.size());
+  for (const ResidencyEntry* entry : entries_) {
+    EntryInfo info;
+    info.id = entry->id();
+    info.bytes = entry->bytes();
+    info.state = residency_name(entry->state_);
+    info.pins = entry->pins_;
+    info.externally_referenced = entry->externally_referenced();
+    info.recomputable = entry->recomputable_;
+    info.host_valid = entry->host_valid_;
+    info.iteration = entry->iteration_;
+    info.pack_seq = entry->pack_seq_;
+    result.push_back(info);
+  }
+  std::sort(result.begin(), result.end(), [](const EntryInfo& a, const EntryInfo& b) { return a.id < b.id; });
+  return result;
+}
+
 }  // namespace membudget

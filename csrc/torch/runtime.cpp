@@ -213,6 +213,25 @@ void bind_runtime(py::module_& m) {
     return 0;
   }, py::arg("device_kind") = "cpu");
   m.def("filter_names", &filter_names);
+  m.def("entries", []() {
+    py::list out;
+    Runtime* r = Runtime::get();
+    if (r == nullptr) return out;
+    for (const EntryInfo& e : r->manager().snapshot()) {
+      py::dict d;
+      d["id"] = e.id;
+      d["bytes"] = e.bytes;
+      d["state"] = e.state;
+      d["pins"] = e.pins;
+      d["externally_referenced"] = e.externally_referenced;
+      d["recomputable"] = e.recomputable;
+      d["host_valid"] = e.host_valid;
+      d["iteration"] = e.iteration;
+      d["pack_seq"] = e.pack_seq;
+      out.append(d);
+    }
+    return out;
+  }, "Every managed entry (id, bytes, state, pins, referenced, recomputable, ...), for debugging");
 }
 
 }  // namespace membudget

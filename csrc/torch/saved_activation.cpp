@@ -93,6 +93,20 @@ void StorageResidency::adopt_recomputed(c10::Storage storage) {
 
 namespace {
 
+// A tensor viewing `storage`, made without the dispatcher: no op runs, so no
+// Python dispatch mode (the lineage's) sees it. A tensor that passes through
+// a Python mode and back to C++ stays referenced (measured, torch 2.13),
+// which would keep the storage from ever being evicted again.
+at::Tensor tensor_on_storage(c10::Storage storage, int64_t offset, c10::IntArrayRef sizes,
+                             c10::IntArrayRef strides, at::ScalarType dtype) {
+  const c10::Device device = storage.device();
+  c10::DispatchKeySet keys(c10::computeDispatchKey(std::nullopt, c10::kStrided, device));
+  at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys,
+                                                               c10::scalarTypeToTypeMeta(dtype));
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return tensor;
+}
+
 // Makes the entry resident and returns its storage: swapped in by the
 // manager, or replayed through the lineage's callback (Note [Recompute]).
 // Called with the GIL held; released while the manager may block.
@@ -115,8 +129,14 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   try {
     TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
                 "membudget: a dropped activation needs recomputation but no lineage is installed");
-    at::Tensor rebuilt = (*g_recompute_fn)(residency->id()).cast<at::Tensor>();
-    residency->adopt_recomputed(rebuilt.storage());
+    py::object rebuilt = (*g_recompute_fn)(residency->id());
+    // Take the storage and let the C++ tensor go before the Python one: a
+    // Python tensor released while C++ still holds its TensorImpl is
+    // resurrected (PyObject preservation) and keeps the storage referenced,
+    // so the entry would never be evictable again.
+    c10::Storage replayed = rebuilt.cast<at::Tensor>().storage();
+    rebuilt = py::none();
+    residency->adopt_recomputed(std::move(replayed));
   } catch (...) {
     manager.complete_recompute(residency.get(), false, 0.0);
     throw;
@@ -145,9 +165,7 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
 
 at::Tensor SavedActivation::unpack() const {
   c10::Storage storage = materialize_storage(residency_);
-  at::Tensor tensor = at::empty({0}, at::TensorOptions().dtype(dtype_).device(device_));
-  tensor.set_(storage, storage_offset_, sizes_, strides_);
-  return tensor;
+  return tensor_on_storage(std::move(storage), storage_offset_, sizes_, strides_, dtype_);
 }
 
 std::string SavedActivation::state() const {
@@ -203,9 +221,8 @@ py::object entry_storage_tensor(uint64_t entry_id) {
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
   if (residency == nullptr) return py::none();
   c10::Storage storage = materialize_storage(residency);
-  at::Tensor bytes = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(storage.device()));
-  bytes.set_(storage, 0, {static_cast<int64_t>(storage.nbytes())}, {1});
-  return py::cast(bytes);
+  const auto nbytes = static_cast<int64_t>(storage.nbytes());
+  return py::cast(tensor_on_storage(std::move(storage), 0, {nbytes}, {1}, at::kByte));
 }
 
 size_t live_storage_residencies() {

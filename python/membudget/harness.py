@@ -25,6 +25,7 @@ import gc
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -267,6 +268,7 @@ def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) 
     process's wall time, start-up included."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), env.get("PYTHONPATH")]))
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in native code leaves its Python stack on stderr
     start = time.perf_counter()
     try:
         proc = subprocess.run([*command, "--worker", spec.to_json()], env=env, capture_output=True, text=True,
@@ -279,5 +281,13 @@ def spawn_worker(command: Sequence[str], spec: RunSpec, timeout: float = 600.0) 
             result = json.loads(line[len(_RESULT_PREFIX):])
             result["wall_s"] = wall
             return result
+    if proc.returncode < 0:  # killed by a signal: say which, and where faulthandler saw Python
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        stack = [line.strip() for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
+        where = f"; innermost Python frames: {' <- '.join(stack[:3])}" if stack else ""
+        return {"error": f"exit {proc.returncode} ({name}){where}", "spec": dataclasses.asdict(spec)}
     last_line = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
     return {"error": f"exit {proc.returncode}: {last_line[:600]}", "spec": dataclasses.asdict(spec)}
