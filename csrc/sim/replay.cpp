@@ -153,6 +153,7 @@ class Replayer {
     ManagerStats m = manager_.stats();
     r.eviction_count = m.eviction_count;
     r.recompute_count = m.recompute_count;
+    r.unpack_stall_s = m.stall_seconds;
     r.drop_count = m.drop_count;
     r.prefetch_hits = m.prefetch_hits;
     r.prefetch_misses = m.prefetch_misses;

@@ -74,7 +74,8 @@ struct ReplayResult {
   size_t peak_allocated_bytes = 0;
   double compute_s = 0.0;
   double recompute_s = 0.0;
-  double stall_s = 0.0;
+  double stall_s = 0.0;                // every wait of the compute stream for a copy
+  double unpack_stall_s = 0.0;         // the manager's stall_seconds: unpacks waiting for swap-ins
   double total_s = 0.0;                // modelled wall time of the measured iteration
   size_t swap_out_bytes = 0;
   size_t swap_in_bytes = 0;

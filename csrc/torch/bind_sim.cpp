@@ -23,6 +23,7 @@ py::dict to_dict(const ReplayResult& r) {
   d["compute_s"] = r.compute_s;
   d["recompute_s"] = r.recompute_s;
   d["stall_s"] = r.stall_s;
+  d["unpack_stall_s"] = r.unpack_stall_s;
   d["total_s"] = r.total_s;
   d["swap_out_bytes"] = r.swap_out_bytes;
   d["swap_in_bytes"] = r.swap_in_bytes;

@@ -40,7 +40,10 @@ class SimRow:
     ran out of memory (then the times are up to the failure). Times are
     modelled seconds of one steady-state step; ``swap_bytes`` counts both
     directions; ``overhead_ratio`` is step time over the optimal step time
-    (``floor_s``) when a floor was computed, else over the compute time."""
+    (``floor_s``) when a floor was computed, else over the compute time.
+    ``unpack_stall_s`` is the part of ``stall_s`` spent by unpacks waiting for
+    swap-ins (what the runtime's ``stall_seconds`` counts; the rest is
+    synchronous swap-outs on the allocation path)."""
 
     policy: str
     budget_bytes: int
@@ -53,6 +56,8 @@ class SimRow:
     overhead_ratio: float
     step_s: float = 0.0
     floor_s: Optional[float] = None
+    unpack_stall_s: float = 0.0
+    recompute_count: int = 0
     error: str = ""
 
     def to_dict(self) -> Dict[str, object]:
@@ -164,7 +169,8 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             peak_reserved_bytes=int(r["peak_reserved_bytes"]), compute_s=float(r["compute_s"]),
             stall_s=float(r["stall_s"]), recompute_s=float(r["recompute_s"]),
             swap_bytes=int(r["swap_out_bytes"]) + int(r["swap_in_bytes"]),
-            overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf, step_s=step, floor_s=floors.get(b),
+            overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf,
+            unpack_stall_s=float(r["unpack_stall_s"]), recompute_count=int(r["recompute_count"]), step_s=step, floor_s=floors.get(b),
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:
