@@ -23,8 +23,8 @@ uint64_t next_entry_id() {
   return ++counter;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+double seconds_since(const Backend& backend, std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(backend.clock_now() - start).count();
 }
 
 }  // namespace
@@ -239,9 +239,9 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       // The director saw room that another entry took since: recompute if it may.
       return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry, "host tier full") : 0;
     }
-    auto start = std::chrono::steady_clock::now();
+    auto start = backend_.clock_now();
     copy_out(entry, stream)->wait();
-    note_copy_time(entry->bytes(), seconds_since(start));
+    note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->host_valid_ = true;
   }
   entry->drop_device_copy();
@@ -322,9 +322,9 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
   counters_.swap_in_bytes += entry->bytes();
   ++counters_.swap_in_count;
   if (wait) {
-    auto start = std::chrono::steady_clock::now();
+    auto start = backend_.clock_now();
     backend_.stream_wait(stream, done);
-    note_copy_time(entry->bytes(), seconds_since(start));
+    note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->state_ = Residency::resident;
   } else {
     entry->copy_event_ = std::move(done);
@@ -349,19 +349,19 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       if (was_prefetched) ++counters_.prefetch_hits;
       break;
     case Residency::swapping_in: {
-      auto start = std::chrono::steady_clock::now();
+      auto start = backend_.clock_now();
       // The compute stream waits for the copy; on the host backend this blocks.
       backend_.stream_wait(stream, entry->copy_event_);
-      counters_.stall_seconds += seconds_since(start);
+      counters_.stall_seconds += seconds_since(backend_, start);
       finish_copy(entry);
       if (was_prefetched) ++counters_.prefetch_hits;
       break;
     }
     case Residency::host: {
       ++counters_.prefetch_misses;
-      auto start = std::chrono::steady_clock::now();
+      auto start = backend_.clock_now();
       swap_in(entry, stream, /*wait=*/true);
-      counters_.stall_seconds += seconds_since(start);
+      counters_.stall_seconds += seconds_since(backend_, start);
       break;
     }
     case Residency::dropped:
