@@ -178,9 +178,15 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
   }
   // Whatever the filter says, a tensor the prefetcher just brought in goes
   // last: evicting it before its use wastes both copies.
-  std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
-    if (a.second.entry->prefetched_ != b.second.entry->prefetched_) return !a.second.entry->prefetched_;
-    return a.first > b.first;
+  // Ties (equal sizes and costs are common) break by pack order, so that a
+  // run does not depend on where entries happen to sit in memory.
+  std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
+    const ResidencyEntry* x = a.second.entry;
+    const ResidencyEntry* y = b.second.entry;
+    if (x->prefetched_ != y->prefetched_) return !x->prefetched_;
+    if (a.first != b.first) return a.first > b.first;
+    if (x->iteration_ != y->iteration_) return x->iteration_ < y->iteration_;
+    return x->pack_seq_ < y->pack_seq_;
   });
   std::vector<EvictionCandidate> result;
   result.reserve(scored.size());
