@@ -445,6 +445,8 @@ void ResidencyManager::maybe_start_background_swaps() {
     if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
     ResidencyEntry* entry = c.entry;
     if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
+    // Copying ahead is only worth it for entries the director would swap.
+    if (decide_for(entry, c).action != EvictionAction::swap) continue;
     if (!ensure_host_slot(entry)) break;
     entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;

@@ -8,7 +8,8 @@
 //             the copy-in (behind the H2D queue) that the time until the
 //             tensor's predicted next use cannot hide;
 //   recompute its replay time, including replays of dropped ancestors.
-// The smaller wins; a victim that cannot be replayed is swapped, and one
+// The smaller wins (a valid host copy only makes the copy-out free); a
+// victim that cannot be replayed is swapped, and one
 // that finds the host tier full is recomputed. MEMBUDGET_ACTIONS restricts
 // the choice (an entry allowed no action is not evicted).
 #pragma once
