@@ -171,7 +171,11 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
     EvictionCandidate c = make_candidate(entry);
-    if (decide_for(entry, c).action == EvictionAction::none) continue;
+    const Decision decision = decide_for(entry, c);
+    if (decision.action == EvictionAction::none) {
+      host_tier_blocked_ = host_tier_blocked_ || decision.host_tier_blocked;
+      continue;
+    }
     // While prefetching, only tensors needed later than the prefetched one may go.
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
     scored.emplace_back(filter_->score(c, context), c);
@@ -295,6 +299,10 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   for (const void* block : released) {
     if (device_.usable_range_at(block) < bytes_needed) ++counters_.evictions_wasted;
   }
+  // Entries left on the device only because the host tier had no room: say
+  // so (the OOM message names the host tier when this counter is non-zero).
+  if (freed < bytes_needed && host_tier_blocked_) ++counters_.host_tier_full;
+  host_tier_blocked_ = false;
   return freed;
 }
 

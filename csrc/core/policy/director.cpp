@@ -59,8 +59,9 @@ Decision decide(const VictimFacts& f, const AllowedActions& allowed) {
     d.reason = !allowed.swap ? "actions=recompute" : "host tier full";
   } else {
     d.action = EvictionAction::none;
-    d.reason = !f.recomputable && !allowed.swap ? "not recomputable and actions=recompute"
-                                                : "host tier full and not recomputable";
+    d.host_tier_blocked = allowed.swap && !f.host_room;
+    d.reason = d.host_tier_blocked ? "host tier full and not recomputable"
+                                   : "not recomputable and actions=recompute";
   }
   return d;
 }

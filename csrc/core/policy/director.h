@@ -44,6 +44,7 @@ struct Decision {
   double swap_stall_seconds = 0.0;
   double recompute_stall_seconds = 0.0;
   const char* reason = "";
+  bool host_tier_blocked = false;  // none, only because the host tier is full
   // The stall of the chosen action (0 for none).
   double chosen_seconds() const;
 };
