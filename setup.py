@@ -58,7 +58,12 @@ class CMakeBuild(build_ext):
         for target in (Path(self.get_ext_fullpath(ext.name)), ROOT / "python" / "membudget" / f"_C{suffix}"):
             target.parent.mkdir(parents=True, exist_ok=True)
             if built.resolve() != target.resolve():
-                shutil.copy2(built, target)
+                # Copy beside, then rename: overwriting a shared library in
+                # place crashes every process that has it loaded (seen: a
+                # benchmark worker died with SIGSEGV during a rebuild).
+                staging = target.with_name(target.name + ".tmp")
+                shutil.copy2(built, staging)
+                os.replace(staging, target)
 
 
 setup(

@@ -299,16 +299,20 @@ def target_lines(rows: List[Dict[str, Any]]) -> List[str]:
             delta, dtr = find(model, label, "delta", "both"), find(model, label, "dtr", "both")
             if delta is None or dtr is None:
                 continue
-            if "error" in delta or "error" in dtr:
-                met = "met" if "error" in dtr and "error" not in delta else "MISSED" if "error" in delta else "?"
+            if "error" in delta:
+                met = "MISSED (delta failed" + (", dtr too)" if "error" in dtr else ")")
+            elif "error" in dtr:
+                met = "met (dtr failed)"
             else:
                 met = "met" if delta["ratio"] <= dtr["ratio"] else "MISSED"
             lines.append(f"{model} {label}: delta {ratio(delta)} vs dtr {ratio(dtr)}: delta no slower than dtr {met}")
         gc_row = find(model, "gc", "grad-ckpt", "-")
         delta_gc = find(model, "gc", "delta", "both")
         if gc_row is not None and delta_gc is not None:
-            if "error" in gc_row or "error" in delta_gc:
-                met = "MISSED" if "error" in delta_gc else "?"
+            if "error" in delta_gc:
+                met = "MISSED (delta failed)"
+            elif "error" in gc_row:
+                met = "not measured (gradient checkpointing failed)"
             else:
                 met = "met" if delta_gc["ratio"] < gc_row["ratio"] else "MISSED"
             lines.append(f"{model} at the gradient-checkpointing peak: delta/both {ratio(delta_gc)} vs "

@@ -41,8 +41,14 @@ def test_director_hard_rules(core):
     assert core.decide(dict(base, recomputable=False, recompute_seconds=0.0))["reason"] == "not recomputable"
     full = core.decide(dict(base, recomputable=True, host_room=False, recompute_seconds=5.0))
     assert (full["action"], full["reason"]) == ("recompute", "host tier full")
-    free = core.decide(dict(base, recomputable=True, host_valid=True, recompute_seconds=0.0))
+    free = core.decide(dict(base, recomputable=False, host_valid=True))
     assert (free["action"], free["reason"]) == ("swap", "host copy already valid")
+    # A host copy saves the copy-out only: a replay cheaper than the copy-in wins.
+    cheap = core.decide(dict(base, recomputable=True, host_valid=True, recompute_seconds=1e-6))
+    assert cheap["action"] == "recompute"
+    assert cheap["swap_stall_seconds"] == pytest.approx(MiB / 1e9)
+    costly = core.decide(dict(base, recomputable=True, host_valid=True, recompute_seconds=1.0))
+    assert costly["action"] == "swap"
     assert core.decide(dict(base, recomputable=True), "swap")["reason"] == "actions=swap"
     assert core.decide(dict(base, recomputable=True, recompute_seconds=9.0), "recompute")["action"] == "recompute"
     assert core.decide(dict(base, recomputable=False), "recompute")["action"] == "none"

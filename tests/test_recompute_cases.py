@@ -198,3 +198,24 @@ def test_every_policy_trains_exactly_under_a_budget(policy):
     managed = _grads(build, run, budget=budget, policy=policy, actions="both", host_budget="512KiB")
     _assert_same(plain, managed, min_recomputes=1)
     assert managed[2]["reserved_bytes.all.peak"] <= budget
+
+
+def test_torch_compile_runs_beside_the_lineage_mode():
+    # Dynamo must neither trace into nor recompile lineage code; compiled
+    # graphs run their ops below the mode, so their saved tensors are swap-only.
+    import torch._dynamo
+
+    def run(model, x, evict):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        loss = compiled(x).square().mean()
+        loss.backward()
+        return loss
+
+    build = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    plain = _grads(build, run)
+    managed = _grads(build, run, actions="both")
+    assert torch.equal(plain[0], managed[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], managed[1][name]), name
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2

@@ -62,8 +62,9 @@ def test_exception_mid_forward_leaves_no_handles_and_no_memory():
 
 
 def test_host_tier_full_is_named_in_the_error():
-    # The device budget forces eviction, and the host tier cannot take it.
-    membudget.install(budget=24 * MiB, host_budget=1 * MiB, min_tensor_bytes=64 * 1024)
+    # The device budget forces eviction, and the host tier cannot take it
+    # (swap only: with recomputation allowed the director would drop instead).
+    membudget.install(budget=24 * MiB, host_budget=1 * MiB, min_tensor_bytes=64 * 1024, actions="swap")
     model = _mlp()
     with pytest.raises(torch.OutOfMemoryError) as info:
         h = torch.randn(1024, 512)

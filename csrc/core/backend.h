@@ -1,6 +1,7 @@
 // The only code that touches a device. The allocator and the residency manager
 // are written once against this interface; see DESIGN.md "The core".
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <string>
 
@@ -44,6 +45,11 @@ class Backend {
   // Copies queued on a copy stream and not yet finished: the director's view
   // of how long a new copy would wait.
   virtual size_t pending_copies(CopyDirection direction) const = 0;
+
+  // The clock the residency manager times copies, stalls and pack/unpack
+  // intervals by: the steady clock, except on SimBackend, whose modelled time
+  // is what the manager must see there (its decisions depend on it).
+  virtual std::chrono::steady_clock::time_point clock_now() const { return std::chrono::steady_clock::now(); }
 };
 
 }  // namespace membudget

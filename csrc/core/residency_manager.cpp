@@ -23,8 +23,8 @@ uint64_t next_entry_id() {
   return ++counter;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+double seconds_since(const Backend& backend, std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(backend.clock_now() - start).count();
 }
 
 }  // namespace
@@ -171,16 +171,26 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
     EvictionCandidate c = make_candidate(entry);
-    if (decide_for(entry, c).action == EvictionAction::none) continue;
+    const Decision decision = decide_for(entry, c);
+    if (decision.action == EvictionAction::none) {
+      host_tier_blocked_ = host_tier_blocked_ || decision.host_tier_blocked;
+      continue;
+    }
     // While prefetching, only tensors needed later than the prefetched one may go.
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
     scored.emplace_back(filter_->score(c, context), c);
   }
   // Whatever the filter says, a tensor the prefetcher just brought in goes
   // last: evicting it before its use wastes both copies.
-  std::stable_sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
-    if (a.second.entry->prefetched_ != b.second.entry->prefetched_) return !a.second.entry->prefetched_;
-    return a.first > b.first;
+  // Ties (equal sizes and costs are common) break by pack order, so that a
+  // run does not depend on where entries happen to sit in memory.
+  std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
+    const ResidencyEntry* x = a.second.entry;
+    const ResidencyEntry* y = b.second.entry;
+    if (x->prefetched_ != y->prefetched_) return !x->prefetched_;
+    if (a.first != b.first) return a.first > b.first;
+    if (x->iteration_ != y->iteration_) return x->iteration_ < y->iteration_;
+    return x->pack_seq_ < y->pack_seq_;
   });
   std::vector<EvictionCandidate> result;
   result.reserve(scored.size());
@@ -239,9 +249,9 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       // The director saw room that another entry took since: recompute if it may.
       return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry, "host tier full") : 0;
     }
-    auto start = std::chrono::steady_clock::now();
+    auto start = backend_.clock_now();
     copy_out(entry, stream)->wait();
-    note_copy_time(entry->bytes(), seconds_since(start));
+    note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->host_valid_ = true;
   }
   entry->drop_device_copy();
@@ -289,6 +299,10 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   for (const void* block : released) {
     if (device_.usable_range_at(block) < bytes_needed) ++counters_.evictions_wasted;
   }
+  // Entries left on the device only because the host tier had no room: say
+  // so (the OOM message names the host tier when this counter is non-zero).
+  if (freed < bytes_needed && host_tier_blocked_) ++counters_.host_tier_full;
+  host_tier_blocked_ = false;
   return freed;
 }
 
@@ -322,9 +336,9 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
   counters_.swap_in_bytes += entry->bytes();
   ++counters_.swap_in_count;
   if (wait) {
-    auto start = std::chrono::steady_clock::now();
+    auto start = backend_.clock_now();
     backend_.stream_wait(stream, done);
-    note_copy_time(entry->bytes(), seconds_since(start));
+    note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->state_ = Residency::resident;
   } else {
     entry->copy_event_ = std::move(done);
@@ -349,19 +363,19 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       if (was_prefetched) ++counters_.prefetch_hits;
       break;
     case Residency::swapping_in: {
-      auto start = std::chrono::steady_clock::now();
+      auto start = backend_.clock_now();
       // The compute stream waits for the copy; on the host backend this blocks.
       backend_.stream_wait(stream, entry->copy_event_);
-      counters_.stall_seconds += seconds_since(start);
+      counters_.stall_seconds += seconds_since(backend_, start);
       finish_copy(entry);
       if (was_prefetched) ++counters_.prefetch_hits;
       break;
     }
     case Residency::host: {
       ++counters_.prefetch_misses;
-      auto start = std::chrono::steady_clock::now();
+      auto start = backend_.clock_now();
       swap_in(entry, stream, /*wait=*/true);
-      counters_.stall_seconds += seconds_since(start);
+      counters_.stall_seconds += seconds_since(backend_, start);
       break;
     }
     case Residency::dropped:
@@ -439,6 +453,8 @@ void ResidencyManager::maybe_start_background_swaps() {
     if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
     ResidencyEntry* entry = c.entry;
     if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
+    // Copying ahead is only worth it for entries the director would swap.
+    if (decide_for(entry, c).action != EvictionAction::swap) continue;
     if (!ensure_host_slot(entry)) break;
     entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;

@@ -182,6 +182,7 @@ class ResidencyManager final : public Evictor {
   AllowedActions allowed_;
   EvictedNeighbourhoods neighbourhoods_;
   size_t dropped_entries_ = 0;                    // entries dropped or recomputing
+  bool host_tier_blocked_ = false;                // candidates() skipped one: host tier full
   double link_bytes_per_s_ = 10e9;
   double pack_interval_s_ = 0.0;                  // EMA between packs of one forward
   double unpack_interval_s_ = 0.0;                // EMA between unpacks of one backward

@@ -183,7 +183,7 @@ void ResidencyManager::note_copy_time(size_t bytes, double seconds) {
 }
 
 void ResidencyManager::note_interval(double& average, std::chrono::steady_clock::time_point& last) {
-  auto now = std::chrono::steady_clock::now();
+  auto now = backend_.clock_now();
   if (last != std::chrono::steady_clock::time_point{}) {
     double gap = std::chrono::duration<double>(now - last).count();
     if (gap < kMaxIntervalSeconds) ema(average, gap);

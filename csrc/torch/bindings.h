@@ -12,5 +12,7 @@ void bind_core(pybind11::module_& m);
 void bind_runtime(pybind11::module_& m);
 // cuda_symbols.cpp: CUDA backend availability and the pluggable symbols.
 void bind_cuda(pybind11::module_& m);
+// bind_sim.cpp: the simulator's replay driver over SimBackend.
+void bind_sim(pybind11::module_& m);
 
 }  // namespace membudget

@@ -20,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   membudget::bind_core(m);
   membudget::bind_runtime(m);
   membudget::bind_cuda(m);
+  membudget::bind_sim(m);
 }

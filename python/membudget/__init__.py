@@ -6,12 +6,22 @@
     membudget.memory_stats()     # flat dict of counters
 
 or, with no change to the script: ``MEMBUDGET_BUDGET=2GiB membudget run train.py``.
+Before buying a GPU: ``membudget.trace(step)`` records a step, ``membudget.simulate``
+replays it under budgets on a modelled device, ``membudget.optimal`` is the floor.
 See DESIGN.md for the architecture and docs/configuration.md for every variable.
 """
 from ._runtime import install, is_installed, uninstall
 from .config import Config, ConfigError
 from .stats import MemoryStats, memory_stats, reset_counters, reset_peak_stats, stats
 from .planner import Plan, compile_backend, plan
+from .trace import Trace, TraceOp, TraceTensor
+from .simulate import SimRow, simulate
+from .optimal import OptimalSolution, optimal
+
+# Note [membudget.trace]: the function shadows the submodule of the same name
+# as an attribute of the package (imported last, on purpose); the data model
+# stays importable as `from membudget.trace import Trace`.
+from .tracer import trace
 
 __version__ = "0.1.0"
 
@@ -29,5 +39,13 @@ __all__ = [
     "plan",
     "Plan",
     "compile_backend",
+    "trace",
+    "Trace",
+    "TraceOp",
+    "TraceTensor",
+    "simulate",
+    "SimRow",
+    "optimal",
+    "OptimalSolution",
     "__version__",
 ]

@@ -160,7 +160,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         native.set_recompute_callback(None)
         torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
         return
-    from .lineage import Lineage, LineageMode
+    from .lineage import Lineage, LineageMode, hide_from_dynamo
     from .replay import rebuild_entry
 
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
@@ -177,7 +177,12 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         lineage.in_backward = True
         return native_unpack(handle)
 
-    native.set_recompute_callback(lambda entry_id: rebuild_entry(lineage, entry_id))
+    def recompute(entry_id):
+        return rebuild_entry(lineage, entry_id)
+
+    for function in (pack, unpack, recompute):
+        hide_from_dynamo(function)
+    native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     _lineage_mode = LineageMode(lineage)
     _lineage_mode.__enter__()

@@ -7,7 +7,8 @@ through ``Config.from_env`` like any other setting), calls
 ``membudget.install()`` before the script's first line, then runs the script
 (or ``-m module``) as ``__main__`` the way ``python`` would: same ``sys.argv``,
 same ``sys.path[0]``, same exit code. ``membudget demo`` and ``membudget info``
-hand over to :mod:`membudget.demo` and :mod:`membudget.info`.
+hand over to :mod:`membudget.demo` and :mod:`membudget.info`, ``membudget
+simulate`` to :mod:`membudget.sim_cli`.
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def _build_parser() -> Tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("--stats", action="store_true", help="print membudget.stats() to stderr at exit")
     commands.add_parser("demo", help="run the built-in demo (arguments go to the demo)", add_help=False)
     commands.add_parser("info", help="print versions, build info and the active configuration")
+    from membudget import sim_cli
+
+    sim_cli.add_parser(commands)
     return parser, run
 
 
@@ -169,7 +173,8 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
 
 def main(argv: Optional[Sequence[str]] = None) -> object:
     """Entry point of the ``membudget`` command: parse ``argv`` (default
-    ``sys.argv[1:]``) and run the ``run``, ``demo`` or ``info`` subcommand.
+    ``sys.argv[1:]``) and run the ``run``, ``demo``, ``info`` or ``simulate``
+    subcommand.
     Returns the exit status for ``sys.exit`` (for ``run``, the script's own
     ``SystemExit`` code); usage errors exit 2 with a message naming the bad
     flag or variable."""
@@ -191,5 +196,9 @@ def main(argv: Optional[Sequence[str]] = None) -> object:
         from membudget import info
 
         return info.main()
+    if args.command == "simulate":
+        from membudget import sim_cli
+
+        return sim_cli.main(args)
     parser.print_help(sys.stderr)
     return 2

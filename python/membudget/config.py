@@ -24,9 +24,9 @@ Variables
     Host (pinned CPU) memory that swapped-out activations may occupy. Same
     syntax; a percentage is of physical RAM. Default: half of physical RAM.
 ``MEMBUDGET_POLICY``
-    Which eviction filter scores victims: ``delta`` (default; cost-aware:
-    size, predicted next use from the last iteration, and the cost of the
-    action the director would take), ``dtr`` (Dynamic Tensor
+    Which eviction filter scores victims: ``delta`` (default; bytes freed
+    per second of the stall the director's action would cost, weighted by
+    the distance to the predicted next use from the last iteration), ``dtr`` (Dynamic Tensor
     Rematerialization: (cost + evicted-neighbourhood cost) / (size x
     staleness), smallest first), ``msps`` (Capuchin: memory saved per second
     of the cost to bring it back), ``lru`` (least recently used) or

@@ -42,7 +42,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Lineage", "LineageMode", "OpNode", "StorageLineage", "ExternalLineage", "TensorRef", "storage_address"]
+__all__ = ["Lineage", "LineageMode", "OpNode", "StorageLineage", "ExternalLineage", "TensorRef", "storage_address",
+           "hide_from_dynamo"]
 
 _ATTR = "_membudget_lineage"
 _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -210,6 +211,11 @@ class Lineage:
 
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
+        held = self.externals.get(id(tensor))
+        if held is not None and held.tensor is tensor:
+            # Parameters are read by many ops: skip the attribute lookup,
+            # which is slow for tensors without the attribute.
+            return TensorRef(held, 0, tensor, scratch)
         lineage = getattr(tensor, _ATTR, None)
         if lineage is not None and type(lineage) is StorageLineage and tensor._version != lineage.versions[-1]:
             # Written where lineage could not see (no_grad code such as weight
@@ -410,3 +416,22 @@ _grad_enabled = torch.is_grad_enabled
 _clock = time.perf_counter
 _PLAIN_TENSOR = torch.Tensor
 LineageMode.__torch_dispatch__ = _lineage_dispatch  # Note [Raw dispatch handler]
+
+
+def hide_from_dynamo(function):
+    """Marks ``function``'s code, and everything it calls, as never to be
+    compiled by Dynamo: the per-code-object equivalent of
+    ``torch._dynamo.disable`` without its per-call wrapper (Note [Raw
+    dispatch handler]). Without it, a ``torch.compile``d model calling into
+    lineage makes Dynamo try (and fail, recompiling) to trace our code. On a
+    torch without this hook it does nothing."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - older torch
+        return function
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return function
+
+
+hide_from_dynamo(_lineage_dispatch)

@@ -42,11 +42,12 @@ Decision decide(const VictimFacts& f, const AllowedActions& allowed) {
 
   const bool can_swap = allowed.swap && (f.host_valid || f.host_room);
   const bool can_recompute = allowed.recompute && f.recomputable;
-  if (f.host_valid && allowed.swap) {
-    // Its device copy can go at no cost; a recompute could only be slower.
+  if (f.host_valid && allowed.swap && !can_recompute) {
     d.action = EvictionAction::swap;
     d.reason = "host copy already valid";
   } else if (can_swap && can_recompute) {
+    // A valid host copy makes the copy-out free, not the copy-in: bringing
+    // it back may still stall longer than replaying it.
     const bool swap_wins = d.swap_stall_seconds <= d.recompute_stall_seconds;
     d.action = swap_wins ? EvictionAction::swap : EvictionAction::recompute;
     d.reason = swap_wins ? "swap stall <= recompute" : "recompute < swap stall";
@@ -58,8 +59,9 @@ Decision decide(const VictimFacts& f, const AllowedActions& allowed) {
     d.reason = !allowed.swap ? "actions=recompute" : "host tier full";
   } else {
     d.action = EvictionAction::none;
-    d.reason = !f.recomputable && !allowed.swap ? "not recomputable and actions=recompute"
-                                                : "host tier full and not recomputable";
+    d.host_tier_blocked = allowed.swap && !f.host_room;
+    d.reason = d.host_tier_blocked ? "host tier full and not recomputable"
+                                   : "not recomputable and actions=recompute";
   }
   return d;
 }

@@ -8,7 +8,8 @@
 //             the copy-in (behind the H2D queue) that the time until the
 //             tensor's predicted next use cannot hide;
 //   recompute its replay time, including replays of dropped ancestors.
-// The smaller wins; a victim that cannot be replayed is swapped, and one
+// The smaller wins (a valid host copy only makes the copy-out free); a
+// victim that cannot be replayed is swapped, and one
 // that finds the host tier full is recomputed. MEMBUDGET_ACTIONS restricts
 // the choice (an entry allowed no action is not evicted).
 #pragma once
@@ -43,6 +44,7 @@ struct Decision {
   double swap_stall_seconds = 0.0;
   double recompute_stall_seconds = 0.0;
   const char* reason = "";
+  bool host_tier_blocked = false;  // none, only because the host tier is full
   // The stall of the chosen action (0 for none).
   double chosen_seconds() const;
 };

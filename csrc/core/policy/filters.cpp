@@ -32,12 +32,12 @@ class DeltaFilter final : public Filter {
     double distance = c.next_use_distance >= 0
                           ? static_cast<double>(c.next_use_distance)
                           : static_cast<double>(ctx.packs_this_iteration - c.pack_seq);
-    // Cost relative to one host-link copy of the same bytes: a host copy
-    // already made is nearly free (factor 2 as before), a replay cheaper
-    // than a copy is favoured over a swap, an expensive one disfavoured.
-    double relative_cost = c.copy_seconds > 0.0 ? c.cost_seconds / c.copy_seconds : 1.0;
-    double cost_factor = c.host_valid ? 2.0 : 2.0 / (1.0 + std::min(relative_cost, 8.0));
-    return (distance + 1.0) * cost_factor * std::sqrt(static_cast<double>(c.bytes));
+    // Bytes freed per second of the stall the director's action would cost
+    // (Capuchin's measure), weighted by the square root of the distance to
+    // the predicted next use. Simulated on h200 (bench/RESULTS.md), the
+    // square root beat a linear Belady weight and a size-only weight.
+    double stall = c.cost_seconds + 1e-9;
+    return std::sqrt(distance + 1.0) * static_cast<double>(c.bytes) / stall;
   }
 };
 

@@ -3,12 +3,9 @@
 //
 //   lru      least recently packed/unpacked first.
 //   largest  largest first (fewest evictions per byte).
-//   delta    (default) Belady-style and cost-aware: the candidate whose
-//            predicted next use is farthest away (from the previous
-//            iteration's unpack order), larger ones favoured by sqrt(size),
-//            divided by the cost of the action the director would take for it
-//            relative to copying it once over the host link (a host copy
-//            already made costs nothing; a cheap replay little).
+//   delta    (default) bytes freed per second of the stall the director's
+//            action would cost, weighted by the square root of the distance
+//            to the predicted next use (previous iteration's unpack order).
 //   dtr      Dynamic Tensor Rematerialization (Kirisame et al. 2021): evict
 //            the smallest h = (c + neighbourhood cost) / (m * staleness), where
 //            c is its cost to bring back and the neighbourhood cost sums the

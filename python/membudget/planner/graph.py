@@ -331,7 +331,8 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
                                           None, category)
         op = PlanOp(index=i, name=top.name, phase=top.phase, category=category, cost_s=cost,
                     forward_index=i if top.phase == "forward" else None, key=top.index,
-                    layer=str(getattr(top, "module", "") or ""),
+                    layer=str(getattr(top, "module", "") or (
+                        f"block {top.block}" if getattr(top, "block", None) is not None else "")),
                     workspace=workspace_bytes(_forward_category(top.name, category), int(top.bytes_read),
                                               int(top.bytes_written)))
         op.inputs = sorted({storage_of(t) for t in top.inputs if t in tensors})
@@ -358,6 +359,19 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
                     producer = storages[sid_of[tid]].producer
                     if producer is not None:
                         ops[producer].recomputable = False
+    # When the trace says when a storage was freed, it lived at least that
+    # long (a reference the ops do not show); freed after an optimizer op or
+    # never: alive to the end of the step.
+    for tid, t in tensors.items():
+        dies = getattr(t, "dies_after", None)
+        if tid not in sid_of or storages[sid_of[tid]].producer is None:
+            continue
+        s = storages[sid_of[tid]]
+        if dies is not None:
+            if dies in position:
+                s.alive_until = max(s.alive_until or 0, position[dies])
+            else:
+                s.live_to_end = True
     # A tensor marked saved must reach backward even if the trace lists no
     # backward consumer (it is unpacked by an autograd node): keep it to the
     # first backward op at least.

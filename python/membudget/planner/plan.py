@@ -317,15 +317,15 @@ def plan(model_or_trace: Any, budget: Union[int, float, str], *, example_inputs:
         (forward() if forward is not None else loss_of(model_or_trace(*example_inputs))).backward()
 
     if via in ("auto", "trace", "dispatch"):
-        trace_module = None
+        record_trace = None
         if via != "dispatch":
             try:
-                from .. import trace as trace_module
+                from ..tracer import trace as record_trace
             except ImportError:
                 if via == "trace":
                     raise
-        if trace_module is not None:
-            recorded = trace_module.trace(step)
+        if record_trace is not None:
+            recorded = record_trace(step)
         else:
             from .recorder import record_step
 

@@ -1,0 +1,76 @@
+// SimBackend: a modelled device for the simulator. Memory is virtual addresses
+// only (nothing is ever dereferenced), time is a modelled clock. The real
+// CachingAllocator and ResidencyManager run over it unchanged; see DESIGN.md
+// "Traces and the simulator".
+//
+// Note [Modelled time]: the compute stream is the caller, as on HostBackend:
+// run_compute(s) advances the clock by an op's modelled duration. Each copy
+// stream (D2H, H2D) is a queue served at the link bandwidth: a copy starts at
+// max(now, when the stream's previous copy ends) and its event is ready once
+// the clock reaches its end. Waiting for an event that is not ready (a
+// synchronous swap, an unpack whose swap-in is still in flight) moves the
+// clock to the event's end and counts the difference as stall.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <memory>
+
+#include "backend.h"
+
+namespace membudget {
+
+// The shared clock of one simulated device; events point at it.
+struct SimClock {
+  double now = 0.0;           // seconds since the simulation started
+  double stall_seconds = 0.0; // time the compute stream spent waiting for copies
+};
+
+class SimBackend final : public Backend {
+ public:
+  // `capacity_bytes`: device memory size (device_alloc refuses beyond it).
+  // `link_bytes_per_s`: one direction of the host link.
+  SimBackend(size_t capacity_bytes, double link_bytes_per_s);
+  ~SimBackend() override;
+
+  std::string name() const override { return "sim"; }
+  size_t device_capacity() const override { return capacity_bytes_; }
+  void* device_alloc(size_t bytes) override;
+  void device_free(void* ptr, size_t bytes) override;
+  void* host_alloc(size_t bytes) override;
+  void host_free(void* ptr, size_t bytes) override;
+  EventPtr record(Stream stream) override;
+  void stream_wait(Stream stream, const EventPtr& event) override;
+  EventPtr copy_to_host(void* host_dst, const void* device_src, size_t bytes, Stream after) override;
+  EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes, Stream after) override;
+  size_t pending_copies(CopyDirection direction) const override;
+
+  // Modelled time, so that the manager's timings (copies, stalls, intervals)
+  // are the simulated ones; offset so it is never the zero time_point.
+  std::chrono::steady_clock::time_point clock_now() const override;
+  // The compute stream runs for `seconds` (an op's modelled duration).
+  void run_compute(double seconds);
+  double now() const { return clock_->now; }
+  double stall_seconds() const { return clock_->stall_seconds; }
+  // Seconds one copy of `bytes` occupies a copy stream.
+  double copy_seconds(size_t bytes) const;
+  size_t device_bytes_in_use() const { return device_in_use_; }
+  // Bytes copied so far, per direction.
+  size_t copied_bytes(CopyDirection direction) const;
+
+ private:
+  EventPtr enqueue_copy(CopyDirection direction, size_t bytes);
+
+  const size_t capacity_bytes_;
+  const double link_bytes_per_s_;
+  std::shared_ptr<SimClock> clock_;
+  uintptr_t next_device_address_;
+  uintptr_t next_host_address_;
+  size_t device_in_use_ = 0;
+  double copy_stream_free_at_[2] = {0.0, 0.0};  // indexed by CopyDirection
+  size_t copied_bytes_[2] = {0, 0};
+  // End times of queued copies, per direction, for pending_copies(); the
+  // finished ones are dropped lazily there.
+  mutable std::deque<double> pending_[2];
+};
+
+}  // namespace membudget

@@ -1,0 +1,253 @@
+"""Records a :class:`~membudget.trace.Trace` from one training step.
+
+Where this sits in the flow: ``membudget.trace(step_fn)`` runs the step under a
+``TorchDispatchMode`` that sees every aten op (forward, the autograd engine's
+backward, the optimizer), and inside ``saved_tensors_hooks`` that see what
+autograd saves and the order backward unpacks it. FLOPs, bytes and categories
+come from :mod:`membudget.costs`. With ``fake=True`` the step (and ``setup``,
+which builds the model) runs under ``FakeTensorMode``: shapes and dtypes only,
+so a model far larger than this machine traces in seconds without its memory.
+
+Note [Storage liveness]: a trace tensor is a storage. The recorder keeps only
+weak references (``StorageWeakRef``) and, before each op, polls which
+storages have expired: a storage freed between op i and op i+1 has
+``dies_after = i``. A weak reference keeps the StorageImpl's control block
+alive, so its address (our key) cannot be reused by a new storage while we
+track it. The pack hook stores a detached alias (never the tensor itself:
+saving an op's own output would form a cycle through its grad_fn and delay
+the free until garbage collection).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import costs
+from .trace import Trace, TraceOp, TraceTensor
+
+__all__ = ["trace"]
+
+
+def _storage_of(t: torch.Tensor) -> Optional[StorageWeakRef]:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse, nested: no single storage
+        return None
+
+
+class _Recorder(TorchDispatchMode):
+    """The dispatch mode that builds the op and tensor lists (see module doc)."""
+
+    def __init__(self, measure: bool):
+        super().__init__()
+        self.measure = measure
+        self.ops: List[TraceOp] = []
+        self.tensors: List[TraceTensor] = []
+        self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}  # cdata -> (weak ref, tensor id)
+        self.unpack_order: List[int] = []
+        self.unpack_ops: List[int] = []
+        self.pack_order: List[int] = []
+        self.pack_ops: List[int] = []
+        self.paused = False
+        self.seen_backward = False
+        self.module_stack: List[int] = []
+        self.op_scopes: List[Tuple[int, ...]] = []  # module ids on the stack, per op
+        self.module_class: Dict[int, str] = {}
+
+    # ---- storages --------------------------------------------------------
+    def reap(self, last_op: int) -> None:
+        """Marks every tracked storage that has been freed as dying after
+        ``last_op`` (Note [Storage liveness])."""
+        dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
+        for key in dead:
+            _, tid = self.live.pop(key)
+            producer = self.tensors[tid].producer
+            self.tensors[tid].dies_after = max(last_op, producer if producer is not None else 0)
+
+    def tensor_id(self, t: torch.Tensor, producer: Optional[int]) -> Optional[int]:
+        """The id of ``t``'s storage, created (with ``producer``) when new."""
+        ref = _storage_of(t)
+        if ref is None:
+            return None
+        entry = self.live.get(ref.cdata)
+        if entry is not None:
+            return entry[1]
+        tid = len(self.tensors)
+        if producer is None:
+            kind = "parameter" if (t.requires_grad and t.is_leaf) else "input"
+        else:
+            kind = {"forward": "activation", "backward": "other", "optimizer": "other"}[self.ops_phase()]
+        nbytes = t.untyped_storage().nbytes()
+        self.tensors.append(TraceTensor(id=tid, bytes=int(nbytes), shape=tuple(t.shape),
+                                        dtype=str(t.dtype).replace("torch.", ""), producer=producer, kind=kind))
+        self.live[ref.cdata] = (ref, tid)
+        return tid
+
+    def ops_phase(self) -> str:
+        """forward, backward (inside the autograd engine), or optimizer (after it)."""
+        if torch._C._current_autograd_node() is not None:
+            self.seen_backward = True
+            return "backward"
+        return "optimizer" if self.seen_backward else "forward"
+
+    # ---- the dispatch hook -----------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused or func.namespace == "prim":
+            return func(*args, **kwargs)
+        index = len(self.ops)
+        self.reap(index - 1)
+        phase = self.ops_phase()
+        inputs: List[int] = []
+        for t in costs.tensors_in((args, kwargs)):
+            tid = self.tensor_id(t, None)
+            if tid is not None and tid not in inputs:
+                inputs.append(tid)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        duration = time.perf_counter() - start if self.measure else None
+        outputs: List[int] = []
+        known = set(inputs)
+        for t in costs.tensors_in(out):
+            ref = _storage_of(t)
+            if ref is None or ref.cdata in self.live:
+                continue  # a view of, or in place on, a storage we already track
+            tid = self.tensor_id(t, index)
+            if tid is not None and tid not in known:
+                outputs.append(tid)
+        read, written = costs.op_bytes(args, kwargs, out)
+        first = next(iter(costs.tensors_in(out)), None)
+        if first is None:
+            first = next(iter(costs.tensors_in(args)), None)
+        self.ops.append(TraceOp(
+            index=index, name=str(func), phase=phase, category=costs.op_category(func),
+            flops=costs.op_flops(func, args, kwargs, out), bytes_read=read, bytes_written=written,
+            duration_s=duration, inputs=inputs, outputs=outputs,
+            dtype=str(first.dtype).replace("torch.", "") if first is not None else "float32"))
+        for tid in inputs:
+            self.tensors[tid].consumers.append(index)
+        self.op_scopes.append(tuple(self.module_stack) if phase == "forward" else ())
+        return out
+
+    # ---- saved tensor hooks ----------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        """Marks ``t``'s storage saved; keeps a detached alias (module doc)."""
+        self.paused = True
+        try:
+            tid = self.tensor_id(t, None)
+            if tid is not None:
+                self.tensors[tid].saved = True
+                self.pack_order.append(tid)
+                self.pack_ops.append(len(self.ops))
+            return (tid, t.detach())
+        finally:
+            self.paused = False
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """Records the unpack (tensor id, next op index) and returns the alias."""
+        tid, alias = packed
+        if tid is not None:
+            self.unpack_order.append(tid)
+            self.unpack_ops.append(len(self.ops))
+        return alias
+
+    # ---- module scopes (for top-level blocks) ----------------------------
+    def enter_module(self, module: torch.nn.Module, *_: Any) -> None:
+        """Forward pre-hook: push the module (for the block of each op)."""
+        self.module_class.setdefault(id(module), type(module).__name__)
+        self.module_stack.append(id(module))
+
+    def exit_module(self, module: torch.nn.Module, *_: Any) -> None:
+        """Forward hook: pop the module."""
+        if self.module_stack and self.module_stack[-1] == id(module):
+            self.module_stack.pop()
+
+    def assign_blocks(self) -> None:
+        """Marks forward ops with their top-level block: the instances of the
+        most frequent module class whose instances do not nest and together
+        cover at least half of the forward ops (transformer layers, residual
+        blocks); what ``checkpoint-blocks`` recomputes."""
+        forward = [i for i, op in enumerate(self.ops) if op.phase == "forward"]
+        if not forward:
+            return
+        instances: Dict[str, List[int]] = {}
+        for module_id, name in self.module_class.items():
+            instances.setdefault(name, []).append(module_id)
+        best: Optional[List[int]] = None
+        for name, ids in sorted(instances.items(), key=lambda kv: -len(kv[1])):
+            if len(ids) < 2:
+                break
+            members = set(ids)
+            covered, nested = 0, False
+            for i in forward:
+                hits = [m for m in self.op_scopes[i] if m in members]
+                nested |= len(hits) > 1
+                covered += bool(hits)
+            if not nested and covered * 2 >= len(forward):
+                best = ids
+                break
+        if best is None:
+            return
+        order: Dict[int, int] = {}
+        members = set(best)
+        for i in forward:
+            hit = next((m for m in self.op_scopes[i] if m in members), None)
+            if hit is not None:
+                self.ops[i].block = order.setdefault(hit, len(order))
+
+
+def trace(step_fn: Callable[..., Any], fake: bool = False, *, setup: Optional[Callable[[], Any]] = None,
+          warmup: int = 0, metadata: Optional[Dict[str, Any]] = None) -> Trace:
+    """Record one training step as a :class:`~membudget.trace.Trace`.
+
+    ``step_fn`` runs forward and backward (and, if it likes, the optimizer); it
+    is called as ``step_fn(state)`` where ``state = setup()`` when ``setup`` is
+    given, else as ``step_fn()``. With ``fake=True`` both run under
+    ``FakeTensorMode`` (build the model in ``setup`` so that no weight is
+    materialised) and op durations are left to the device model; otherwise
+    each op's duration is measured. ``warmup`` steps run unrecorded first (real
+    tensors: lazy initialisation would otherwise be timed). ``metadata`` is
+    merged into the trace's (torch version and the fake flag are added)."""
+    fake_mode = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode.__enter__()
+    try:
+        state = setup() if setup is not None else None
+        call = (lambda: step_fn(state)) if setup is not None else step_fn
+        for _ in range(warmup):
+            call()
+        recorder = _Recorder(measure=not fake)
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
+        post = torch.nn.modules.module.register_module_forward_hook(recorder.exit_module)
+        try:
+            with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                call()
+            # What the step freed on its way out dies after the last op; what
+            # `state` still holds (parameters, gradients) lives on.
+            recorder.reap(len(recorder.ops) - 1)
+        finally:
+            pre.remove()
+            post.remove()
+    finally:
+        if fake_mode is not None:
+            fake_mode.__exit__(None, None, None)
+    for _, tid in recorder.live.values():
+        t = recorder.tensors[tid]
+        if t.kind == "other" and t.producer is not None and recorder.ops[t.producer].phase == "backward":
+            t.kind = "gradient"  # produced in backward and kept: a .grad
+    recorder.live.clear()
+    recorder.assign_blocks()
+    meta = {"torch": torch.__version__, "fake": bool(fake),
+            "phases": dict(Counter(op.phase for op in recorder.ops))}
+    meta.update(metadata or {})
+    return Trace(ops=recorder.ops, tensors=recorder.tensors, unpack_order=recorder.unpack_order,
+                 unpack_ops=recorder.unpack_ops, pack_order=recorder.pack_order, pack_ops=recorder.pack_ops,
+                 metadata=meta)

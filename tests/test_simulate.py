@@ -1,0 +1,136 @@
+"""The simulator: SimBackend time by hand, the real allocator's budget at every
+feasible point, baselines, and the CLI."""
+import json
+import math
+
+import pytest
+import torch
+
+import membudget
+from membudget import costs
+from membudget.models import gpt
+from membudget.replay_program import Code, Program
+from membudget.simulate import BASELINES, policies, unbudgeted_peak
+
+pytestmark = pytest.mark.requires_native
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gpt_trace():
+    w = gpt(batch=4, context=128, width=64, heads=4, layers=2, vocab=512)
+    torch.manual_seed(0)
+    return membudget.trace(lambda m: w.loss(m, w.batch(torch.device("cpu"))).backward(), fake=True,
+                           setup=w.build, metadata={"model": "gpt-quick"})
+
+
+def _replay(program, budget, link=1e9, use_manager=False, policy="delta"):
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(program.tensor_bytes, program.codes, program.tensors, program.seconds,
+                                       program.prologue_length, budget, 1 << 40, link, use_manager, policy,
+                                       0, 1.0, 1)
+
+
+def test_sim_backend_time_by_hand():
+    # One 100 MB tensor: 1 s of compute, a synchronous copy out at 1 GB/s
+    # (0.1 s of stall), 2 s of compute, a copy back in (0.1 s), 0.5 s.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    prog.emit(Code.OFFLOAD_SYNC, 0)
+    prog.emit(Code.RELEASE, 0)
+    prog.emit(Code.COMPUTE, -1, 2.0)
+    prog.emit(Code.RESTORE, 0)
+    prog.emit(Code.COMPUTE, -1, 0.5)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30)
+    assert r["feasible"]
+    assert r["compute_s"] == pytest.approx(3.5)
+    assert r["stall_s"] == pytest.approx(0.2)
+    assert r["total_s"] == pytest.approx(3.7)
+    assert r["swap_out_bytes"] == r["swap_in_bytes"] == 100_000_000
+
+
+def test_async_copy_overlaps_compute():
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)   # 0.1 s on the D2H stream ...
+    prog.emit(Code.COMPUTE, -1, 1.0)   # ... hidden under 1 s of compute
+    prog.emit(Code.RELEASE, 0)
+    prog.emit(Code.PREFETCH, 0)
+    prog.emit(Code.COMPUTE, -1, 0.05)  # half of the 0.1 s copy back is hidden
+    prog.emit(Code.RESTORE, 0)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30)
+    assert r["stall_s"] == pytest.approx(0.05)
+
+
+def test_replay_reports_oom_as_infeasible():
+    prog = Program(tensor_bytes=[64 * MiB, 64 * MiB])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.ALLOC, 1)
+    r = _replay(prog, budget=100 * MiB)
+    assert not r["feasible"] and "out of memory" in r["error"]
+
+
+def test_peak_never_exceeds_budget_when_feasible(gpt_trace):
+    rows = membudget.simulate(gpt_trace, ["100%", "80%", "60%", "45%", "30%", "10%"], device="h200",
+                              min_tensor_bytes=16 * 1024)
+    assert {r.policy for r in rows} == {*policies(), *BASELINES}
+    assert any(r.feasible for r in rows) and any(not r.feasible for r in rows)
+    for r in rows:
+        if r.feasible:
+            assert r.peak_reserved_bytes <= r.budget_bytes, r
+            assert r.step_s == pytest.approx(r.compute_s + r.stall_s + r.recompute_s, rel=1e-6)
+        else:
+            assert r.error and math.isinf(r.overhead_ratio)
+
+
+def test_unbudgeted_run_needs_no_management(gpt_trace):
+    peak = unbudgeted_peak(gpt_trace, "h200")
+    rows = membudget.simulate(gpt_trace, [peak], ["delta"], "h200", baselines=("none",), high_watermark=1.0)
+    assert all(r.feasible and r.stall_s == 0 and r.swap_bytes == 0 for r in rows)
+    compute = sum(costs.roofline_seconds(op.flops, op.bytes_read + op.bytes_written, costs.device_model("h200"),
+                                         getattr(torch, op.dtype), op.category) for op in gpt_trace.ops)
+    assert rows[0].compute_s == pytest.approx(compute)
+
+
+def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
+    rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
+                                                    min_tensor_bytes=16 * 1024)}
+    assert not rows["none"].feasible
+    assert rows["swap-all"].recompute_s == 0 and rows["swap-all"].swap_bytes > 0
+    assert rows["checkpoint-blocks"].recompute_s > 0 and rows["checkpoint-blocks"].swap_bytes == 0
+    assert rows["delta"].feasible and rows["delta"].swap_bytes > 0
+    # Prefetching ahead stalls less than copying back on demand.
+    assert rows["offload-prefetch"].stall_s <= rows["swap-all"].stall_s
+
+
+def test_cli_json_and_plot(gpt_trace, tmp_path, capsys):
+    from membudget.cli import main
+
+    path = tmp_path / "gpt.trace.gz"
+    gpt_trace.save(path)
+    png = tmp_path / "out.png"
+    assert main(["simulate", str(path), "--budgets", "90%,50%", "--json", "--min-tensor-bytes", "16KiB",
+                 "--plot", str(png)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["trace"]["model"] == "gpt-quick"
+    assert len(data["rows"]) == 2 * (len(policies()) + len(BASELINES))
+    assert {"policy", "budget_bytes", "feasible", "peak_reserved_bytes", "compute_s", "stall_s", "recompute_s",
+            "swap_bytes", "overhead_ratio"} <= set(data["rows"][0])
+    assert png.stat().st_size > 1000
+
+
+def test_cli_table_and_bad_input(gpt_trace, tmp_path, capsys):
+    from membudget.cli import main
+
+    path = tmp_path / "gpt.trace.gz"
+    gpt_trace.save(path)
+    assert main(["simulate", str(path), "--budgets", "60%", "--no-floor", "--policies", "delta"]) == 0
+    out = capsys.readouterr()
+    assert "delta" in out.out and "checkpoint-blocks" in out.out and "24/" not in out.out
+    assert main(["simulate", "--budgets", "60%"]) == 2
+    assert main(["simulate", str(path), "--budgets", "lots"]) == 2
