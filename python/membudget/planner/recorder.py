@@ -4,8 +4,9 @@ Where this sits in the flow: :func:`membudget.plan` needs, for a plan the
 runtime can follow, forward ops numbered exactly as the runtime's lineage
 dispatch mode numbers them (every aten op dispatched on plain tensors while
 grad is enabled and no backward runs, from the start of forward, scalar reads
-excepted). :mod:`membudget.trace` (issue 4) is the full recorder; until it is
-present this module records the minimum the planner needs, in its data model
+excepted). :func:`membudget.trace` (issue 4) is the full recorder and the
+default; this one (``plan(..., via="dispatch")``) records the minimum the
+planner needs, with module paths, in the trace's data model
 (``ops`` with index, name, phase, category, flops, bytes; ``tensors`` with
 producer, consumers, saved, kind), and :func:`membudget.plan` uses it.
 """
