@@ -50,6 +50,7 @@ def counting(monkeypatch):
     _LEFTOVER[0] = membudget.memory_stats()["allocated_bytes.all.current"]
     yield
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # process-wide; later tests count their own graphs
 
 
 def _step(model, fn, batch, steps=2):
