@@ -13,6 +13,7 @@ See DESIGN.md for the architecture and docs/configuration.md for every variable.
 from ._runtime import install, is_installed, uninstall
 from .config import Config, ConfigError
 from .stats import MemoryStats, memory_stats, reset_counters, reset_peak_stats, stats
+from .planner import Plan, compile_backend, plan
 from .trace import Trace, TraceOp, TraceTensor
 from .simulate import SimRow, simulate
 from .optimal import OptimalSolution, optimal
@@ -35,6 +36,9 @@ __all__ = [
     "MemoryStats",
     "Config",
     "ConfigError",
+    "plan",
+    "Plan",
+    "compile_backend",
     "trace",
     "Trace",
     "TraceOp",

@@ -1,0 +1,217 @@
+"""Liveness and memory over the whole step for a given recompute set.
+
+Where this sits in the flow: :mod:`.graph` gives a :class:`PlanGraph`;
+:class:`MemoryModel` answers "what is the memory over time, and its peak, if
+these forward ops are recomputed instead of their outputs stashed?";
+:mod:`.selection` asks it many times while choosing.
+
+Note [Slots]: the timeline has ``2N + 1`` slots for N ops. Op ``p`` runs at
+slot ``2p + 1`` (its inputs and outputs are live there); slot ``2p`` is where
+the backward recomputations that op ``p`` needs run, just before it (as
+``reordering_to_mimic_autograd_engine`` places them, and as the runtime
+recomputes on unpack). A storage is live on a closed range of slots.
+
+Recomputing op ``o`` (Echo's net benefit, evaluated over the whole timeline):
+its outputs live through forward only until their last forward use, then again
+from o's recompute slot until their last backward use; its inputs must be live
+at that slot: an input that autograd stashes anyway costs nothing more, one
+that would have died in forward now stays alive until then (unless it is
+recomputed too, in which case it is recomputed at the earlier of the two
+slots). Every such interaction is re-derived from the whole recompute set, so
+a choice's benefit changes as other choices are made.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .graph import PlanGraph
+
+__all__ = ["MemoryModel", "Profile"]
+
+
+class Profile:
+    """Memory (bytes) per slot for one recompute set, with its peak and where."""
+
+    def __init__(self, memory: np.ndarray, recompute: FrozenSet[int], overhead_s: float,
+                 slots: Optional[Dict[int, int]] = None):
+        self.memory = memory
+        self.recompute = recompute
+        self.overhead_s = overhead_s
+        self.slots = slots if slots is not None else {}
+
+    @property
+    def peak(self) -> int:
+        """The highest memory over the step, in bytes."""
+        return int(self.memory.max()) if len(self.memory) else 0
+
+    @property
+    def peak_slot(self) -> int:
+        """The first slot at which memory is at its peak."""
+        return int(self.memory.argmax()) if len(self.memory) else 0
+
+    def excess(self, budget: int) -> float:
+        """Bytes x slots above ``budget``: zero exactly when the peak fits."""
+        return float(np.clip(self.memory - budget, 0, None).sum())
+
+
+class MemoryModel:
+    """Memory over time of a :class:`PlanGraph` under any recompute set. The
+    profile without recomputation is computed once; a recompute set changes
+    only the storages its ops produce or read, which are re-derived per call."""
+
+    def __init__(self, graph: PlanGraph):
+        self.graph = graph
+        n = len(graph.ops)
+        self.num_slots = 2 * n + 1
+        self.forward_end_slot = 2 * graph.num_forward  # first slot of backward
+        self.fixed = graph.fixed_bytes
+        self.start: Dict[int, int] = {}
+        self.fw_end: Dict[int, int] = {}
+        self.bw_first: Dict[int, Optional[int]] = {}
+        self.end: Dict[int, int] = {}
+        for s in graph.storages:
+            if s.producer is None:
+                continue
+            start = 2 * s.producer + 1
+            fw_uses = [u for u in s.uses if u < graph.num_forward]
+            bw_uses = [u for u in s.uses if u >= graph.num_forward]
+            self.start[s.id] = start
+            self.fw_end[s.id] = 2 * max(fw_uses) + 1 if fw_uses else start
+            self.bw_first[s.id] = 2 * min(bw_uses) if bw_uses else None
+            end = 2 * max(s.uses) + 1 if s.uses else start
+            if s.alive_until is not None:
+                end = max(end, 2 * s.alive_until + 1)
+            self.end[s.id] = self.num_slots - 1 if s.live_to_end else max(end, start)
+        self._own_slots: Dict[int, Optional[int]] = {}
+        # Forward ops that read each storage (candidates for "must stay alive").
+        self.readers: Dict[int, List[int]] = {}
+        for op in graph.ops[: graph.num_forward]:
+            for sid in op.inputs:
+                self.readers.setdefault(sid, []).append(op.index)
+        self._base = self._memory_of(self._intervals(self.start.keys(), frozenset(), {})
+                                     + [(2 * op.index + 1, 2 * op.index + 1, op.workspace)
+                                        for op in graph.ops if op.workspace])
+
+    # -- recompute slots -------------------------------------------------
+    def own_slot(self, op_index: int) -> Optional[int]:
+        """The slot where op ``op_index`` is recomputed when nothing else
+        needs it earlier: just before the first backward use of an output."""
+        if op_index in self._own_slots:
+            return self._own_slots[op_index]
+        firsts = [self.bw_first[s] for s in self.graph.ops[op_index].outputs
+                  if s in self.bw_first and self.bw_first[s] is not None]
+        self._own_slots[op_index] = min(firsts) if firsts else None
+        return self._own_slots[op_index]
+
+    def recompute_slots(self, recompute: Iterable[int]) -> Dict[int, int]:
+        """Slot of each recomputed op: its own slot, or earlier when a later
+        recomputed op reads one of its outputs (recomputed chains)."""
+        chosen = sorted(set(recompute), reverse=True)
+        chosen_set = set(chosen)
+        slots: Dict[int, int] = {}
+        for o in chosen:
+            slot = self.own_slot(o)
+            for sid in self.graph.ops[o].outputs:
+                for reader in self.readers.get(sid, ()):
+                    if reader in chosen_set and reader != o and reader in slots:
+                        slot = slots[reader] if slot is None else min(slot, slots[reader])
+            slots[o] = slot if slot is not None else self.num_slots - 1
+        return slots
+
+    # -- intervals and memory ------------------------------------------
+    def _intervals(self, storages: Iterable[int], recompute: FrozenSet[int],
+                   slots: Dict[int, int]) -> List[Tuple[int, int, int]]:
+        ops = self.graph.ops
+        sizes = self.graph.storages
+        out: List[Tuple[int, int, int]] = []
+        for sid in storages:
+            nbytes = sizes[sid].bytes
+            if not nbytes:
+                continue
+            producer = sizes[sid].producer
+            needed_until = -1
+            for reader in self.readers.get(sid, ()):
+                if reader in recompute and reader != producer:
+                    needed_until = max(needed_until, slots[reader])
+            if producer in recompute:
+                out.append((self.start[sid], self.fw_end[sid], nbytes))
+                bw_end = self.end[sid] if self.bw_first[sid] is not None else slots[producer]
+                out.append((slots[producer], max(bw_end, needed_until, slots[producer]), nbytes))
+            else:
+                out.append((self.start[sid], max(self.end[sid], needed_until), nbytes))
+        del ops
+        return out
+
+    def _memory_of(self, intervals: List[Tuple[int, int, int]]) -> np.ndarray:
+        diff = np.zeros(self.num_slots + 1, dtype=np.int64)
+        if intervals:
+            arr = np.asarray(intervals, dtype=np.int64)
+            np.add.at(diff, arr[:, 0], arr[:, 2])
+            np.add.at(diff, arr[:, 1] + 1, -arr[:, 2])
+        return np.cumsum(diff[:-1])
+
+    def affected(self, recompute: Iterable[int]) -> set:
+        """Storages whose liveness depends on ``recompute``: the recomputed
+        ops' outputs and inputs."""
+        touched: set = set()
+        for o in recompute:
+            op = self.graph.ops[o]
+            touched.update(op.outputs)
+            touched.update(s for s in op.inputs if s in self.start)
+        return touched
+
+    def profile(self, recompute: Iterable[int] = ()) -> Profile:
+        """Memory per slot (fixed bytes included) when the ops in ``recompute``
+        (op indices) are recomputed in backward instead of stashed."""
+        chosen = frozenset(recompute)
+        memory = self._base.copy()
+        if chosen:
+            touched = self.affected(chosen)
+            slots = self.recompute_slots(chosen)
+            memory -= self._memory_of(self._intervals(touched, frozenset(), {}))
+            memory += self._memory_of(self._intervals(touched, chosen, slots)
+                                      + [(slots[o], slots[o], self.graph.ops[o].workspace) for o in chosen])
+        else:
+            slots = {}
+        overhead = sum(self.graph.ops[o].cost_s for o in chosen)
+        return Profile(memory + self.fixed, chosen, overhead, slots)
+
+    def with_op(self, profile: Profile, op_index: int) -> Profile:
+        """``profile`` with op ``op_index`` recomputed as well, derived
+        incrementally: only the storages of the new op, and of the recomputed
+        ops it pulls earlier (their outputs now feed it), are re-derived."""
+        if op_index in profile.recompute:
+            return profile
+        chosen = profile.recompute | {op_index}
+        ops = self.graph.ops
+        slots = dict(profile.slots)
+        slot = self.own_slot(op_index)
+        for sid in ops[op_index].outputs:
+            for reader in self.readers.get(sid, ()):
+                if reader in chosen and reader != op_index:
+                    slot = slots[reader] if slot is None else min(slot, slots[reader])
+        slots[op_index] = slot if slot is not None else self.num_slots - 1
+        changed = {op_index}
+        stack = [op_index]
+        while stack:
+            o = stack.pop()
+            for sid in ops[o].inputs:
+                producer = self.graph.storages[sid].producer
+                if producer in chosen and producer != o and slots[producer] > slots[o]:
+                    slots[producer] = slots[o]
+                    changed.add(producer)
+                    stack.append(producer)
+        touched = self.affected(changed)
+        old = self._intervals(touched, profile.recompute, profile.slots) + [
+            (profile.slots[o], profile.slots[o], ops[o].workspace) for o in changed if o in profile.recompute]
+        new = self._intervals(touched, chosen, slots) + [(slots[o], slots[o], ops[o].workspace) for o in changed]
+        memory = profile.memory - self._memory_of(old) + self._memory_of(new)
+        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots)
+
+    def stashed_bytes(self, recompute: Iterable[int] = ()) -> int:
+        """Bytes live at the end of forward, fixed bytes excluded: what the
+        step stashes for backward."""
+        p = self.profile(recompute)
+        return int(p.memory[max(self.forward_end_slot - 1, 0)]) - self.fixed if len(p.memory) else 0
