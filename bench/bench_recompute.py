@@ -53,6 +53,7 @@ if str(BENCH) not in sys.path:
 from membudget import models as builtin  # noqa: E402
 from membudget.harness import RunSpec, identical, spawn_worker, worker_main  # noqa: E402
 
+from bench_tables import render_table  # noqa: E402
 from bench_swap import gpt2, lstm, machine_line  # noqa: E402
 
 MiB = 1 << 20
@@ -261,16 +262,7 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
                              "yes" if row["identical"] else "NO"])
     errors = [f"{row['model']} {row['budget_label']} {row['policy']}/{row['actions']}: {row['error']}"
               for row in rows if "error" in row]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
-        return "\n".join(lines + [""] + [f"- {error}" for error in errors])
-    widths = [max(len(header[i]), *(len(cells[i]) for cells in body)) for i in range(len(header))]
-    lines = ["  ".join(h.rjust(w) if i > 3 else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    lines.append("-" * len(lines[0]))
-    for cells in body:
-        lines.append("  ".join(c.rjust(w) if i > 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
-    return "\n".join(lines + [f"FAILED {error}" for error in errors])
+    return render_table(header, body, errors, markdown, left_columns=4)
 
 
 def target_lines(rows: List[Dict[str, Any]]) -> List[str]:

@@ -43,6 +43,9 @@ from torch import nn  # noqa: E402
 from membudget import models as builtin  # noqa: E402
 from membudget.harness import RunSpec, identical, spawn_worker, worker_main  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tables import render_table  # noqa: E402
+
 MiB = 1 << 20
 WORKER_COMMAND = [sys.executable, str(Path(__file__).resolve())]
 
@@ -207,16 +210,7 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
                      "yes" if row["identical"] else "NO"])
     errors = [f"{row['model']} {row.get('fraction') or 0:.0%} {row.get('policy', '')}: {row['error']}"
               for row in rows if "error" in row]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
-        return "\n".join(lines + [""] + [f"- FAILED {error}" for error in errors])
-    widths = [max(len(header[i]), *(len(cells[i]) for cells in body)) for i in range(len(header))]
-    lines = ["  ".join(h.rjust(w) if i > 2 else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    lines.append("-" * len(lines[0]))
-    for cells in body:
-        lines.append("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
-    return "\n".join(lines + [f"FAILED {error}" for error in errors])
+    return render_table(header, body, errors, markdown, left_columns=3)
 
 
 def machine_line(device: str, threads: int) -> str:
