@@ -131,6 +131,7 @@ def run_demo(models: Sequence[str], *, steps: int, quick: bool, device: str, fra
             swap_in_bytes=int(stats["swap_in_bytes"]),
             prefetch_hits=int(stats["prefetch_hits"]),
             prefetch_misses=int(stats["prefetch_misses"]),
+            recompute_count=int(stats.get("recompute_count", 0)),
             stall_seconds=float(stats["stall_seconds"]),
             num_ooms=int(stats["num_ooms"]),
             identical=identical(plain, managed),
@@ -148,12 +149,13 @@ def _mib(count: Optional[int]) -> str:
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The side-by-side table: per model the unmanaged peak, the budget, the
     managed peak reserved (MiB), the managed/plain median step-time ratio,
-    MiB swapped out/in, prefetch hits/misses and whether losses and
+    MiB swapped out/in, prefetch hits/misses, activations dropped and
+    recomputed, and whether losses and
     parameters are bit-identical to plain PyTorch."""
     header = (f"{'model':<6} {'unmanaged':>10} {'budget':>8} {'managed':>8} {'step':>6} "
-              f"{'swap out':>9} {'swap in':>8} {'prefetch':>9} {'identical':>9}")
+              f"{'swap out':>9} {'swap in':>8} {'prefetch':>9} {'recomputed':>10} {'identical':>9}")
     units = (f"{'':<6} {'peak MiB':>10} {'MiB':>8} {'peak MiB':>8} {'ratio':>6} "
-             f"{'MiB':>9} {'MiB':>8} {'hit/miss':>9} {'':>9}")
+             f"{'MiB':>9} {'MiB':>8} {'hit/miss':>9} {'tensors':>10} {'':>9}")
     lines = [header, units, "-" * len(header)]
     for row in rows:
         if "managed_peak" not in row:
@@ -164,7 +166,8 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
             f"{row['model']:<6} {_mib(row['unmanaged_peak']):>10} {_mib(row['budget']):>8} "
             f"{_mib(row['managed_peak']):>8} {row['step_ratio']:>5.2f}x "
             f"{_mib(row['swap_out_bytes']):>9} {_mib(row['swap_in_bytes']):>8} "
-            f"{str(row['prefetch_hits']) + '/' + str(row['prefetch_misses']):>9} {identical_text:>9}"
+            f"{str(row['prefetch_hits']) + '/' + str(row['prefetch_misses']):>9} "
+            f"{row.get('recompute_count', 0):>10} {identical_text:>9}"
         )
         if not row["within_budget"]:
             lines.append(f"{'':<6} managed peak above the budget")
