@@ -95,3 +95,18 @@ def test_reinstall_reconfigures_budget_and_stats_report_it():
     assert membudget.memory_stats()["budget_bytes"] == 32 * MiB
     text = str(membudget.stats())
     assert "budget 32 MiB" in text
+
+
+def test_parameters_and_their_views_are_not_managed():
+    # Linear saves its input (a leaf here) and weight.t(), a view of a
+    # parameter: neither storage could ever be released, so neither is managed.
+    native = load_extension()
+    membudget.install(budget="1GiB", min_tensor_bytes=0)
+    before = native.live_handles()
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    y = layer(x).sum()
+    assert native.live_handles() == before
+    h = torch.tanh(layer(x))          # a fresh activation is managed
+    assert native.live_handles() > before
+    (y + h.sum()).backward()

@@ -35,8 +35,13 @@ void delete_managed_storage_memory(void* ptr) { free_device_for_torch(ptr); }
 bool is_managed_candidate(const at::Tensor& t, Runtime& runtime) {
   if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || !t.has_storage()) return false;
   if (t.key_set().has(c10::DispatchKey::Python) || t.is_conj() || t.is_neg()) return false;
-  // Parameters (and other leaves that require grad) stay where they are.
+  // Parameters (and other leaves that require grad) stay where they are, and
+  // so do views of them (mm saves weight.t()): their storage is never free to go.
   if (t.is_leaf() && t.requires_grad()) return false;
+  if (t.is_view()) {
+    const at::TensorBase& base = t._base();
+    if (base.defined() && base.is_leaf() && base.requires_grad()) return false;
+  }
   const c10::Storage& storage = t.storage();
   if (storage.nbytes() < runtime.config().min_tensor_bytes || storage.nbytes() == 0) return false;
   const void* data = storage.data_ptr().get();
