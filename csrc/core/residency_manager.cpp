@@ -141,7 +141,7 @@ bool ResidencyManager::is_evictable(const ResidencyEntry* entry) const {
          entry->pins_ == 0 && !entry->externally_referenced();
 }
 
-EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry) {
+EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decision* decision) {
   EvictionCandidate c;
   c.entry = entry;
   c.bytes = entry->bytes();
@@ -161,7 +161,10 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry) {
     c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
-  c.cost_seconds = decide_for(entry, c).chosen_seconds();
+  const Decision chosen = decide_for(entry, c);
+  c.cost_seconds = chosen.chosen_seconds();
+  c.swap_chosen = chosen.action == EvictionAction::swap;
+  if (decision != nullptr) *decision = chosen;
   return c;
 }
 
@@ -170,8 +173,8 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
   std::vector<std::pair<double, EvictionCandidate>> scored;
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
-    EvictionCandidate c = make_candidate(entry);
-    const Decision decision = decide_for(entry, c);
+    Decision decision;
+    EvictionCandidate c = make_candidate(entry, &decision);
     if (decision.action == EvictionAction::none) {
       host_tier_blocked_ = host_tier_blocked_ || decision.host_tier_blocked;
       continue;
@@ -239,8 +242,8 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
     entry->copy_event_->wait();
     finish_copy(entry);
   }
-  const EvictionCandidate candidate = make_candidate(entry);
-  const Decision decision = decide_for(entry, candidate);
+  Decision decision;
+  const EvictionCandidate candidate = make_candidate(entry, &decision);
   if (config_.log_decisions) log_decision(entry, candidate, decision);
   if (decision.action == EvictionAction::none) return 0;
   if (decision.action == EvictionAction::recompute) return drop_for_recompute(entry, decision.reason);
@@ -454,7 +457,7 @@ void ResidencyManager::maybe_start_background_swaps() {
     ResidencyEntry* entry = c.entry;
     if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
     // Copying ahead is only worth it for entries the director would swap.
-    if (decide_for(entry, c).action != EvictionAction::swap) continue;
+    if (!c.swap_chosen) continue;
     if (!ensure_host_slot(entry)) break;
     entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;

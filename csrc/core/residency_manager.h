@@ -144,7 +144,9 @@ class ResidencyManager final : public Evictor {
   void reap_completed_copies();
   void finish_copy(ResidencyEntry* entry);
   std::vector<EvictionCandidate> candidates(int64_t min_next_use);
-  EvictionCandidate make_candidate(ResidencyEntry* entry);
+  // The candidate's facts (the filter scores them) and the director's choice
+  // for it (also returned through `decision` when given).
+  EvictionCandidate make_candidate(ResidencyEntry* entry, Decision* decision = nullptr);
   bool ensure_host_slot(ResidencyEntry* entry);
   // Drops the entry's prefetch mark and its share of the window; returns
   // whether it was marked.

@@ -42,6 +42,7 @@ struct EvictionCandidate {
   double neighbourhood_seconds = 0.0; // dtr: evicted-neighbourhood cost
   double cost_seconds = 0.0;          // the director's chosen action's stall
   double copy_seconds = 0.0;          // one copy over the host link (scale)
+  bool swap_chosen = false;           // the director would swap it (not recompute)
 };
 
 struct FilterContext {
