@@ -246,11 +246,11 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   const EvictionCandidate candidate = make_candidate(entry, &decision);
   if (config_.log_decisions) log_decision(entry, candidate, decision);
   if (decision.action == EvictionAction::none) return 0;
-  if (decision.action == EvictionAction::recompute) return drop_for_recompute(entry, decision.reason);
+  if (decision.action == EvictionAction::recompute) return drop_for_recompute(entry);
   if (!entry->host_valid_) {
     if (!ensure_host_slot(entry)) {
       // The director saw room that another entry took since: recompute if it may.
-      return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry, "host tier full") : 0;
+      return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry) : 0;
     }
     auto start = backend_.clock_now();
     copy_out(entry, stream)->wait();

@@ -165,7 +165,7 @@ class ResidencyManager final : public Evictor {
   std::vector<uint64_t> dropped_neighbours(const ResidencyEntry* entry) const;
   double seconds_until_next_use(const EvictionCandidate& candidate) const;
   Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate) const;
-  size_t drop_for_recompute(ResidencyEntry* entry, const char* why);
+  size_t drop_for_recompute(ResidencyEntry* entry);
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
   void note_copy_time(size_t bytes, double seconds);

@@ -57,7 +57,7 @@ void ResidencyManager::drop_planned() {
     ResidencyEntry* entry = planned_[i];
     if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry)) {
       planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
-      drop_for_recompute(entry, "static plan");
+      drop_for_recompute(entry);
       ++counters_.planned_drops;
     } else if (entry->state_ != Residency::resident) {
       planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
@@ -127,8 +127,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
   return decide(facts, allowed_);
 }
 
-size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry, const char* why) {
-  (void)why;  // logged by the caller
+size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   if (entry->state_ == Residency::swapping_out) {
     entry->copy_event_->wait();
     finish_copy(entry);
