@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "block_pool.h"
+#include "expandable_segment.h"
 #include "out_of_memory.h"
 #include "units.h"
 
@@ -42,8 +43,10 @@ constexpr const char* kOomHint =
 // All members are guarded by `mutex`; every method of Impl assumes it is held
 // (Note [Locking]).
 struct CachingAllocator::Impl {
-  Impl(Backend& backend_, MemoryKind kind_, size_t budget_bytes, std::string name_)
-      : backend(backend_), kind(kind_), name(std::move(name_)), budget(budget_bytes) {
+  Impl(Backend& backend_, MemoryKind kind_, size_t budget_bytes, std::string name_, bool expandable_segments)
+      : backend(backend_), kind(kind_), name(std::move(name_)),
+        expandable(expandable_segments && kind_ == MemoryKind::device && backend_.page_bytes() > 0),
+        budget(budget_bytes) {
     stats.budget = budget_bytes;
   }
 
@@ -52,11 +55,15 @@ struct CachingAllocator::Impl {
   struct Segment {
     Block* head;
     size_t size;
+    std::unique_ptr<ExpandableSegment> expandable;  // null for a fixed segment
   };
 
   Backend& backend;
   const MemoryKind kind;
   const std::string name;
+  // Note [Expandable segments]: one growing segment per pool and stream
+  // instead of fixed segments.
+  const bool expandable;
   mutable std::mutex mutex;
   size_t budget;
   // Bytes in segments. Atomic so that the budget check reads as RMM's:
@@ -67,6 +74,8 @@ struct CachingAllocator::Impl {
   BlockPool large_pool{false};
   std::unordered_map<const void*, Block*> live_blocks;
   std::map<uintptr_t, Segment> segments;  // by address, for snapshot and teardown
+  // The expandable segment of each (pool, stream), once created.
+  std::map<std::pair<const BlockPool*, Stream>, ExpandableSegment*> expandable_segments;
   // Blocks in the "awaiting" state (Note [Block states]), one entry per event.
   std::vector<std::pair<EventPtr, Block*>> awaiting;
   AllocatorStats stats;
@@ -92,17 +101,66 @@ struct CachingAllocator::Impl {
     return true;
   }
 
+  void note_reserved_peak() { stats.reserved_peak = std::max(stats.reserved_peak, reserved_bytes.load()); }
+
   // Rung 1: best fit among cached blocks of this stream, split if worth it.
   Block* take_cached(BlockPool& pool, Stream stream, size_t size) {
     Block* block = pool.take_best_fit(stream, size);
-    if (block != nullptr && pool.should_split(block, size)) {
-      pool.insert(pool.split(block, size));
+    if (block == nullptr) return nullptr;
+    if (!back_with_pages(block, size)) {
+      pool.insert(block);
+      return nullptr;
     }
+    if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
+  }
+
+  // Maps the unmapped pages under the first `size` bytes of a free block of an
+  // expandable segment, within the budget. True when they are all mapped
+  // (always, in a fixed segment).
+  bool back_with_pages(Block* block, size_t size) {
+    if (block->expandable == nullptr) return true;
+    ExpandableSegment& segment = *block->expandable;
+    const size_t needed = segment.unmapped_bytes_touching(block->ptr, size);
+    if (needed == 0) return true;
+    if (!try_reserve(needed)) return false;
+    if (!segment.map_range(block->ptr, size)) {
+      reserved_bytes.fetch_sub(needed);
+      return false;
+    }
+    note_reserved_peak();
+    return true;
+  }
+
+  // Bytes a free block gives back to the budget when released: its whole
+  // segment when it spans one, the mapped pages wholly inside it in an
+  // expandable segment, otherwise nothing.
+  static size_t releasable_bytes(const Block* block) {
+    if (block->expandable != nullptr) return block->expandable->mapped_bytes_inside(block->ptr, block->size);
+    return block->spans_segment() ? block->size : 0;
+  }
+
+  // Rung 2 with expandable segments: the first request of a (pool, stream)
+  // reserves its segment, as large as the device; later ones find it in
+  // rung 1, so there is never a second one.
+  Block* new_expandable_segment(BlockPool& pool, Stream stream, size_t size) {
+    const auto key = std::make_pair(static_cast<const BlockPool*>(&pool), stream);
+    if (expandable_segments.count(key) != 0) return nullptr;
+    auto segment = std::make_unique<ExpandableSegment>(backend, std::max(backend.device_capacity(), size));
+    if (segment->base() == nullptr) return nullptr;
+    auto* block = new Block(segment->base(), segment->size(), stream, &pool);
+    block->expandable = segment.get();
+    expandable_segments.emplace(key, segment.get());
+    const size_t virtual_size = segment->size();
+    segments.emplace(reinterpret_cast<uintptr_t>(block->ptr), Segment{block, virtual_size, std::move(segment)});
+    ++stats.num_segments;
+    pool.insert(block);
+    return take_cached(pool, stream, size);
   }
 
   // Rung 2: a new segment within the budget (Note [Budget]).
   Block* new_segment(BlockPool& pool, Stream stream, size_t size) {
+    if (expandable) return new_expandable_segment(pool, stream, size);
     size_t segment_size = standard_segment_size(size);
     if (!try_reserve(segment_size)) {
       if (segment_size == size || !try_reserve(size)) return nullptr;
@@ -114,9 +172,9 @@ struct CachingAllocator::Impl {
       return nullptr;
     }
     auto* block = new Block(static_cast<char*>(ptr), segment_size, stream, &pool);
-    segments.emplace(reinterpret_cast<uintptr_t>(ptr), Segment{block, segment_size});
+    segments.emplace(reinterpret_cast<uintptr_t>(ptr), Segment{block, segment_size, nullptr});
     ++stats.num_segments;
-    stats.reserved_peak = std::max(stats.reserved_peak, reserved_bytes.load());
+    note_reserved_peak();
     if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
   }
@@ -154,16 +212,22 @@ struct CachingAllocator::Impl {
     awaiting.resize(kept);
   }
 
-  // Rung 3: returns every free block that spans its whole segment to the
-  // backend. Partly used segments stay: their free pieces cannot be returned.
+  // Rung 3: returns every free block that spans its whole fixed segment to
+  // the backend, and unmaps the free pages of expandable segments. Partly used
+  // fixed segments stay: their free pieces cannot be returned.
   size_t release_free_segments() {
     std::vector<Block*> releasable;
+    size_t released = 0;
     for (BlockPool* pool : {&small_pool, &large_pool}) {
       for (Block* block : pool->free_blocks()) {
-        if (block->spans_segment()) releasable.push_back(block);
+        if (block->expandable != nullptr) {
+          released += block->expandable->unmap_inside(block->ptr, block->size);
+        } else if (block->spans_segment()) {
+          releasable.push_back(block);
+        }
       }
     }
-    size_t released = 0;
+    reserved_bytes.fetch_sub(released);
     for (Block* block : releasable) {
       block->pool->erase(block);
       segments.erase(reinterpret_cast<uintptr_t>(block->ptr));
@@ -176,10 +240,15 @@ struct CachingAllocator::Impl {
     return released;
   }
 
+  // Bytes in free blocks that are backed by memory (an expandable segment's
+  // never-mapped tail is free but costs nothing, so it does not count).
   size_t free_cached_bytes() const {
     size_t bytes = 0;
     for (const BlockPool* pool : {&small_pool, &large_pool}) {
-      for (const Block* block : pool->free_blocks()) bytes += block->size;
+      for (const Block* block : pool->free_blocks()) {
+        bytes += block->expandable != nullptr ? block->expandable->mapped_bytes_inside(block->ptr, block->size)
+                                              : block->size;
+      }
     }
     return bytes;
   }
@@ -192,8 +261,8 @@ struct CachingAllocator::Impl {
 };
 
 CachingAllocator::CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
-                                   std::string name)
-    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name))) {}
+                                   std::string name, bool expandable_segments)
+    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name), expandable_segments)) {}
 
 CachingAllocator::~CachingAllocator() {
   for (auto& entry : impl_->segments) {
@@ -203,7 +272,10 @@ CachingAllocator::~CachingAllocator() {
       delete block;
       block = next;
     }
-    impl_->upstream_free(reinterpret_cast<void*>(entry.first), entry.second.size);
+    // An expandable segment unmaps its pages and releases its range itself.
+    if (entry.second.expandable == nullptr) {
+      impl_->upstream_free(reinterpret_cast<void*>(entry.first), entry.second.size);
+    }
   }
 }
 
@@ -227,7 +299,7 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
         counted_retry = true;
       }
       if (self.release_free_segments() > 0) {
-        block = self.new_segment(pool, stream, size);
+        block = self.expandable ? self.take_cached(pool, stream, size) : self.new_segment(pool, stream, size);
       }
     }
     if (block == nullptr && &pool == &self.small_pool) {                // rung 3b
@@ -236,6 +308,10 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
       // rather than evict. The piece stays in the large pool (it merges back
       // there when freed); the remainder is split off at small granularity.
       block = self.large_pool.take_best_fit(stream, size);
+      if (block != nullptr && !self.back_with_pages(block, size)) {
+        self.large_pool.insert(block);
+        block = nullptr;
+      }
       if (block != nullptr && block->size - size >= kMinBlockSize) {
         self.large_pool.insert(self.large_pool.split(block, size));
       }
@@ -326,6 +402,8 @@ void CachingAllocator::set_budget(size_t budget_bytes) {
   if (impl_->reserved_bytes.load() > budget_bytes) impl_->release_free_segments();
 }
 
+bool CachingAllocator::expandable_segments() const { return impl_->expandable; }
+
 size_t CachingAllocator::budget() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->budget;
@@ -358,8 +436,10 @@ size_t CachingAllocator::largest_free_or_reservable() const {
   size_t releasable = 0;
   for (const BlockPool* pool : {&impl_->small_pool, &impl_->large_pool}) {
     for (const Block* block : pool->free_blocks()) {
-      largest_free = std::max(largest_free, block->size);
-      if (block->spans_segment()) releasable += block->size;
+      // An expandable segment's free blocks count only by what they give back
+      // (Note [Expandable segments]); their unmapped pages need headroom.
+      if (block->expandable == nullptr) largest_free = std::max(largest_free, block->size);
+      releasable += Impl::releasable_bytes(block);
     }
   }
   size_t reserved = impl_->reserved_bytes.load();
@@ -382,6 +462,22 @@ size_t CachingAllocator::usable_range_at(const void* ptr) const {
   if (block == nullptr) return 0;
   const bool counts_as_free = block->is_free() || (block->allocated && block->ptr == ptr);
   if (!counts_as_free) return 0;
+  if (block->expandable != nullptr) {
+    // Every free page can be unmapped and a request backed anywhere in the
+    // range's tail, so what is usable is the headroom plus all free pages,
+    // and the pages deallocating this block would free.
+    size_t usable = headroom + impl_->free_cached_bytes();
+    if (block->allocated) {
+      const Block* first = block->prev != nullptr && block->prev->is_free() ? block->prev : block;
+      const Block* last = block->next != nullptr && block->next->is_free() ? block->next : block;
+      const size_t merged = static_cast<size_t>(last->ptr + last->size - first->ptr);
+      size_t gained = block->expandable->mapped_bytes_inside(first->ptr, merged);
+      if (first != block) gained -= Impl::releasable_bytes(first);
+      if (last != block) gained -= Impl::releasable_bytes(last);
+      usable += gained;
+    }
+    return usable;
+  }
   size_t range = block->size;
   bool spans = block->spans_segment();
   if (block->allocated) {  // as if deallocated: merge with free neighbours
@@ -428,6 +524,8 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     SegmentInfo segment;
     segment.address = entry.first;
     segment.size = entry.second.size;
+    segment.expandable = entry.second.expandable != nullptr;
+    segment.mapped_bytes = segment.expandable ? entry.second.expandable->mapped_bytes() : entry.second.size;
     segment.small_pool = entry.second.head->pool->is_small();
     for (const Block* block = entry.second.head; block != nullptr; block = block->next) {
       BlockInfo info;

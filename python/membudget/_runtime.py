@@ -78,6 +78,7 @@ def install(
     prefetch_bytes: Optional[Union[str, int]] = None,
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
+    expandable_segments: Optional[bool] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -108,6 +109,7 @@ def install(
         prefetch_bytes=prefetch_bytes,
         high_watermark=high_watermark,
         log=log,
+        expandable_segments=expandable_segments,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -121,6 +123,7 @@ def install(
         "prefetch_bytes": config.prefetch_bytes,
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
+        "expandable_segments": config.expandable_segments,
     }
     if plan is not None and not config.records_lineage:
         raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")

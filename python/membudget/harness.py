@@ -87,8 +87,8 @@ class RunSpec:
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
     ``actions`` (``swap``, ``recompute`` or ``both``), ``host_budget`` (bytes),
-    ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
-    (``None``: the library's default); ``threads`` sets torch's intra-op
+    ``min_tensor_bytes``, ``prefetch_bytes`` and ``expandable_segments`` go to
+    :func:`membudget.install` (``None``: the library's default); ``threads`` sets torch's intra-op
     threads (``None``: torch's default). Fields added later default to
     ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
@@ -105,6 +105,7 @@ class RunSpec:
     threads: Optional[int] = None
     actions: Optional[str] = None
     host_budget: Optional[int] = None
+    expandable_segments: Optional[bool] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -191,6 +192,7 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
             host_budget=spec.host_budget,
             min_tensor_bytes=spec.min_tensor_bytes,
             prefetch_bytes=spec.prefetch_bytes,
+            expandable_segments=spec.expandable_segments,
             device=device,
         )
         gc.collect()
