@@ -152,3 +152,20 @@ def test_destroying_the_allocator_unmaps_everything(backend):
     assert backend.device_bytes_in_use() > 0
     del allocator
     assert backend.device_bytes_in_use() == 0
+
+
+def test_rung_three_unmaps_only_the_shortfall(backend):
+    allocator = make(backend, 10 * MiB)
+    first_hole = allocator.allocate(3 * MiB)
+    allocator.allocate(3 * MiB // 2)
+    second_hole = allocator.allocate(3 * MiB)
+    allocator.allocate(3 * MiB // 2)
+    allocator.deallocate(first_hole)
+    allocator.deallocate(second_hole)
+    # 4 MiB fits in neither hole: the tail needs 4 MiB and the budget has 1;
+    # one 3 MiB hole is unmapped, the other stays cached for the next request.
+    fill(allocator.allocate(4 * MiB), 4 * MiB, 5)
+    assert allocator.stats()["reserved_current"] == 10 * MiB
+    assert allocator.stats()["num_alloc_retries"] == 1
+    fill(allocator.allocate(3 * MiB), 3 * MiB, 6)  # the hole still mapped
+    assert allocator.stats()["num_alloc_retries"] == 1

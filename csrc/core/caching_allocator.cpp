@@ -79,6 +79,9 @@ struct CachingAllocator::Impl {
   // Blocks in the "awaiting" state (Note [Block states]), one entry per event.
   std::vector<std::pair<EventPtr, Block*>> awaiting;
   AllocatorStats stats;
+  // What the last failed back_with_pages lacked (Note [Partial release]).
+  size_t shortfall_bytes = 0;
+  const Block* shortfall_block = nullptr;
 
   void* upstream_alloc(size_t bytes) {
     return kind == MemoryKind::device ? backend.device_alloc(bytes)
@@ -109,27 +112,92 @@ struct CachingAllocator::Impl {
     if (block == nullptr) return nullptr;
     if (!back_with_pages(block, size)) {
       pool.insert(block);
-      return nullptr;
+      block = take_mapped_fit(pool, stream, size);
+      if (block == nullptr) return nullptr;
     }
     if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
   }
 
+  // Bounds the search of take_mapped_fit: it runs only when the best fit
+  // cannot be backed, but must stay cheap with thousands of free blocks.
+  static constexpr int kMappedFitSearch = 64;
+
+  // When the best fit of an expandable segment needs pages the budget cannot
+  // back, a larger free block whose pages are already mapped may serve
+  // without releasing anything: the smallest such block among the next
+  // kMappedFitSearch in best-fit order. Removed from the pool, or nullptr.
+  Block* take_mapped_fit(BlockPool& pool, Stream stream, size_t size) {
+    Block key(nullptr, size, stream, &pool);
+    auto it = pool.free_blocks().lower_bound(&key);
+    for (int looked = 0; it != pool.free_blocks().end() && looked < kMappedFitSearch; ++it, ++looked) {
+      Block* candidate = *it;
+      if (candidate->stream != stream) break;
+      if (candidate->expandable == nullptr ||
+          candidate->expandable->unmapped_bytes_touching(candidate->ptr, size) != 0) {
+        continue;
+      }
+      pool.erase(candidate);
+      return candidate;
+    }
+    return nullptr;
+  }
+
   // Maps the unmapped pages under the first `size` bytes of a free block of an
   // expandable segment, within the budget. True when they are all mapped
   // (always, in a fixed segment).
+  // On failure it records what rung 3 must release (Note [Partial release]).
   bool back_with_pages(Block* block, size_t size) {
     if (block->expandable == nullptr) return true;
     ExpandableSegment& segment = *block->expandable;
     const size_t needed = segment.unmapped_bytes_touching(block->ptr, size);
     if (needed == 0) return true;
-    if (!try_reserve(needed)) return false;
-    if (!segment.map_range(block->ptr, size)) {
-      reserved_bytes.fetch_sub(needed);
+    if (!try_reserve(needed)) {
+      const size_t reserved = reserved_bytes.load();
+      shortfall_bytes = needed - (budget > reserved ? budget - reserved : 0);
+      shortfall_block = block;
       return false;
     }
+    if (!segment.map_range(block->ptr, size)) {
+      reserved_bytes.fetch_sub(needed);
+      shortfall_bytes = std::numeric_limits<size_t>::max();  // the device refused: give back all
+      shortfall_block = nullptr;
+      return false;
+    }
+    stats.mapped_bytes_total += needed;
     note_reserved_peak();
     return true;
+  }
+
+  // Note [Partial release]: rung 3 with expandable segments unmaps only the
+  // shortfall of the block rung 1 wanted, from the free blocks with the most
+  // mapped pages first (fewest calls), and from that block itself last and
+  // only past the bytes it was wanted for (those would only be mapped
+  // again). Releasing every free page instead, as
+  // PyTorch's empty_cache does, makes each allocation near the budget unmap
+  // memory that the next ones map and fault in again.
+  size_t release_free_pages(size_t wanted, const Block* keep, size_t keep_bytes) {
+    std::vector<std::pair<size_t, Block*>> mapped;
+    for (BlockPool* pool : {&small_pool, &large_pool}) {
+      for (Block* block : pool->free_blocks()) {
+        if (block == keep || block->expandable == nullptr) continue;
+        const size_t bytes = block->expandable->mapped_bytes_inside(block->ptr, block->size);
+        if (bytes > 0) mapped.emplace_back(bytes, block);
+      }
+    }
+    std::sort(mapped.begin(), mapped.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    size_t released = 0;
+    for (const auto& entry : mapped) {
+      if (released >= wanted) break;
+      released += entry.second->expandable->unmap_inside(entry.second->ptr, entry.second->size);
+    }
+    if (released < wanted && keep != nullptr && keep->size > keep_bytes) {
+      released += keep->expandable->unmap_inside(keep->ptr + keep_bytes, keep->size - keep_bytes);
+    }
+    reserved_bytes.fetch_sub(released);
+    stats.unmapped_bytes_total += released;
+    return released;
   }
 
   // Bytes a free block gives back to the budget when released: its whole
@@ -228,6 +296,7 @@ struct CachingAllocator::Impl {
       }
     }
     reserved_bytes.fetch_sub(released);
+    stats.unmapped_bytes_total += released;
     for (Block* block : releasable) {
       block->pool->erase(block);
       segments.erase(reinterpret_cast<uintptr_t>(block->ptr));
@@ -291,6 +360,8 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
   BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
   bool counted_retry = false;
   for (;;) {
+    self.shortfall_bytes = std::numeric_limits<size_t>::max();
+    self.shortfall_block = nullptr;
     Block* block = self.take_cached(pool, stream, size);                // rung 1
     if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
     if (block == nullptr) {                                              // rung 3
@@ -298,8 +369,12 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
         ++self.stats.num_alloc_retries;
         counted_retry = true;
       }
-      if (self.release_free_segments() > 0) {
-        block = self.expandable ? self.take_cached(pool, stream, size) : self.new_segment(pool, stream, size);
+      if (self.expandable) {
+        if (self.release_free_pages(self.shortfall_bytes, self.shortfall_block, size) > 0) {
+          block = self.take_cached(pool, stream, size);
+        }
+      } else if (self.release_free_segments() > 0) {
+        block = self.new_segment(pool, stream, size);
       }
     }
     if (block == nullptr && &pool == &self.small_pool) {                // rung 3b
@@ -514,6 +589,8 @@ void CachingAllocator::reset_counters() {
   impl_->stats.num_alloc_retries = 0;
   impl_->stats.num_ooms = 0;
   impl_->stats.num_evictor_calls = 0;
+  impl_->stats.mapped_bytes_total = 0;
+  impl_->stats.unmapped_bytes_total = 0;
 }
 
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {

@@ -60,6 +60,10 @@ struct AllocatorStats {
   size_t num_segments = 0;
   size_t num_live_blocks = 0;
   size_t num_evictor_calls = 0;
+  // Expandable segments: bytes of pages mapped and unmapped so far. Their
+  // growth per step is the cost of releasing memory near the budget.
+  size_t mapped_bytes_total = 0;
+  size_t unmapped_bytes_total = 0;
 };
 
 // One block as seen by snapshot(), for tests and debugging.

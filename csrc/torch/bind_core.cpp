@@ -130,6 +130,8 @@ py::dict stats_dict(const AllocatorStats& stats) {
   result["num_segments"] = stats.num_segments;
   result["num_live_blocks"] = stats.num_live_blocks;
   result["num_evictor_calls"] = stats.num_evictor_calls;
+  result["mapped_bytes_total"] = stats.mapped_bytes_total;
+  result["unmapped_bytes_total"] = stats.unmapped_bytes_total;
   return result;
 }
 

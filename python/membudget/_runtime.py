@@ -95,6 +95,11 @@ def install(
     model is built: memory allocated earlier is not counted or managed. Returns
     the resolved :class:`~membudget.config.Config`.
 
+    ``expandable_segments`` (default on) makes device memory one growing
+    virtual range per pool and stream, mapped page by page, so free fragments
+    go back to the budget (docs/allocator.md); it is fixed when the allocator
+    is created, and asking for the other setting later raises RuntimeError.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.

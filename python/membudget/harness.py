@@ -77,6 +77,9 @@ _STAT_KEYS = (
     "dropped_bytes",
     "planned_drops",
     "evictions_wasted",
+    # Expandable segments: pages mapped / unmapped (re-mapping near the budget).
+    "mapped_bytes_total",
+    "unmapped_bytes_total",
     "link_bytes_per_s",
 )
 
