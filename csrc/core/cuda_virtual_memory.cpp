@@ -124,6 +124,7 @@ void* CudaVirtualMemory::reserve(size_t bytes) {
 void CudaVirtualMemory::release(void* base, size_t bytes) {
   if (base == nullptr) return;
   const auto first = reinterpret_cast<uintptr_t>(base);
+  (void)cudaDeviceSynchronize();  // as in unmap(); at teardown, best effort
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     for (uintptr_t page = first; page < first + bytes; page += impl_->page) impl_->drop_page(page);
@@ -157,6 +158,14 @@ bool CudaVirtualMemory::map(void* ptr, size_t bytes) {
 
 void CudaVirtualMemory::unmap(void* ptr, size_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(ptr);
+  // A free block's last kernels may still be running: the allocator hands
+  // blocks back in stream order, not after completion. cudaFree waits for the
+  // device implicitly, cuMemUnmap does not (PyTorch synchronizes before
+  // unmapping too), so wait here; this runs only on rung 3, near the budget.
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    throw std::runtime_error("membudget: cudaDeviceSynchronize before unmapping pages failed on cuda:" +
+                             std::to_string(impl_->device) + ": " + cudaGetErrorString(cudaGetLastError()));
+  }
   std::lock_guard<std::mutex> lock(impl_->mutex);
   for (uintptr_t page = first; page < first + bytes; page += impl_->page) impl_->drop_page(page);
 }
