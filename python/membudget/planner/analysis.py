@@ -19,6 +19,18 @@ that would have died in forward now stays alive until then (unless it is
 recomputed too, in which case it is recomputed at the earlier of the two
 slots). Every such interaction is re-derived from the whole recompute set, so
 a choice's benefit changes as other choices are made.
+
+Note [Chains inside a recompute slot]: the ops recomputed at one slot run one
+after another (in forward order), and a link of a recomputed chain that
+nothing after the slot reads is freed as soon as the last op of the slot that
+reads it has run. So the memory of a recompute slot is not the sum of
+everything the slot makes but the highest of its sub-steps: at sub-step ``k``
+the outputs that outlive the slot made at steps ``<= k``, the outputs that do
+not and are still to be read (made at or before ``k``, last read at or after
+``k``), and op ``k``'s workspace. The interval arithmetic counts them all
+together; a per-slot *correction* (their sum minus that highest sub-step) is
+subtracted. Summing them was what made long recomputed chains (GPT-2's
+tanh-GELU, eight pointwise ops) over-predicted by about a MiB.
 """
 from __future__ import annotations
 
@@ -35,11 +47,13 @@ class Profile:
     """Memory (bytes) per slot for one recompute set, with its peak and where."""
 
     def __init__(self, memory: np.ndarray, recompute: FrozenSet[int], overhead_s: float,
-                 slots: Optional[Dict[int, int]] = None):
+                 slots: Optional[Dict[int, int]] = None, corrections: Optional[Dict[int, int]] = None):
         self.memory = memory
         self.recompute = recompute
         self.overhead_s = overhead_s
         self.slots = slots if slots is not None else {}
+        # Recompute slot -> bytes subtracted there (Note [Chains inside a recompute slot]).
+        self.corrections = corrections if corrections is not None else {}
 
     @property
     def peak(self) -> int:
@@ -173,10 +187,13 @@ class MemoryModel:
             memory -= self._memory_of(self._intervals(touched, frozenset(), {}))
             memory += self._memory_of(self._intervals(touched, chosen, slots)
                                       + [(slots[o], slots[o], self.graph.ops[o].workspace) for o in chosen])
+            corrections = self._corrections(set(slots.values()), chosen, slots)
+            for slot, nbytes in corrections.items():
+                memory[slot] -= nbytes
         else:
-            slots = {}
+            slots, corrections = {}, {}
         overhead = sum(self.graph.ops[o].cost_s for o in chosen)
-        return Profile(memory + self.fixed, chosen, overhead, slots)
+        return Profile(memory + self.fixed, chosen, overhead, slots, corrections)
 
     def with_op(self, profile: Profile, op_index: int) -> Profile:
         """``profile`` with op ``op_index`` recomputed as well, derived
@@ -208,7 +225,72 @@ class MemoryModel:
             (profile.slots[o], profile.slots[o], ops[o].workspace) for o in changed if o in profile.recompute]
         new = self._intervals(touched, chosen, slots) + [(slots[o], slots[o], ops[o].workspace) for o in changed]
         memory = profile.memory - self._memory_of(old) + self._memory_of(new)
-        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots)
+        # Slots whose sub-steps may have changed: those the changed ops left
+        # or joined, and those of recomputed producers they read (an output
+        # read at a later slot now outlives its own).
+        slots_hit = {slots[o] for o in changed} | {profile.slots[o] for o in changed if o in profile.slots}
+        for o in changed:
+            for sid in ops[o].inputs:
+                producer = self.graph.storages[sid].producer
+                if producer in chosen:
+                    slots_hit.add(slots[producer])
+        corrections = dict(profile.corrections)
+        for slot in slots_hit:
+            memory[slot] += corrections.pop(slot, 0)
+        for slot, nbytes in self._corrections(slots_hit, chosen, slots).items():
+            memory[slot] -= nbytes
+            corrections[slot] = nbytes
+        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots, corrections)
+
+    def _corrections(self, slots_hit: Iterable[int], chosen: FrozenSet[int],
+                     slots: Dict[int, int]) -> Dict[int, int]:
+        """Per recompute slot in ``slots_hit``: the bytes by which summing
+        everything the slot makes exceeds its highest sub-step (Note [Chains
+        inside a recompute slot]); slots with nothing to correct are left out."""
+        at: Dict[int, List[int]] = {}
+        wanted = set(slots_hit)
+        for o in chosen:
+            if slots[o] in wanted:
+                at.setdefault(slots[o], []).append(o)
+        out: Dict[int, int] = {}
+        for slot, members in at.items():
+            if len(members) < 2:
+                continue
+            nbytes = self._slot_excess(slot, sorted(members), chosen, slots)
+            if nbytes:
+                out[slot] = nbytes
+        return out
+
+    def _slot_excess(self, slot: int, members: List[int], chosen: FrozenSet[int], slots: Dict[int, int]) -> int:
+        ops = self.graph.ops
+        storages = self.graph.storages
+        step_of = {o: k for k, o in enumerate(members)}
+        delta = np.zeros(len(members) + 1, dtype=np.int64)  # difference array over sub-steps
+        total = 0
+        for k, o in enumerate(members):
+            for sid in ops[o].outputs:
+                nbytes = storages[sid].bytes
+                if not nbytes:
+                    continue
+                last_here = k
+                outlives = self.bw_first[sid] is not None  # read by backward ops after the slot
+                for reader in self.readers.get(sid, ()):
+                    if reader in chosen and reader != o:
+                        if slots[reader] > slot:
+                            outlives = True
+                        elif slots[reader] == slot:
+                            last_here = max(last_here, step_of[reader])
+                delta[k] += nbytes
+                if not outlives:
+                    delta[last_here + 1] -= nbytes
+                total += nbytes
+            ws = ops[o].workspace
+            if ws:
+                delta[k] += ws
+                delta[k + 1] -= ws
+                total += ws
+        highest = int(np.cumsum(delta[:-1]).max())
+        return total - highest
 
     def stashed_bytes(self, recompute: Iterable[int] = ()) -> int:
         """Bytes live at the end of forward, fixed bytes excluded: what the
