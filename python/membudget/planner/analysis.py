@@ -75,8 +75,13 @@ class MemoryModel:
     profile without recomputation is computed once; a recompute set changes
     only the storages its ops produce or read, which are re-derived per call."""
 
-    def __init__(self, graph: PlanGraph):
+    def __init__(self, graph: PlanGraph, reserve_bytes: int = 0):
+        """``reserve_bytes``: memory that later graphs of the same step (after
+        a graph break) will use on top of what this one keeps through its
+        backward, counted at the slot between its forward and its backward
+        (Note [Budget shares across graph breaks] in :mod:`.partitioner`)."""
         self.graph = graph
+        self.reserve_bytes = int(reserve_bytes)
         n = len(graph.ops)
         self.num_slots = 2 * n + 1
         self.forward_end_slot = 2 * graph.num_forward  # first slot of backward
@@ -107,6 +112,8 @@ class MemoryModel:
         self._base = self._memory_of(self._intervals(self.start.keys(), frozenset(), {})
                                      + [(2 * op.index + 1, 2 * op.index + 1, op.workspace)
                                         for op in graph.ops if op.workspace])
+        if self.reserve_bytes and graph.num_forward < n:
+            self._base[self.forward_end_slot] += self.reserve_bytes
 
     # -- recompute slots -------------------------------------------------
     def own_slot(self, op_index: int) -> Optional[int]:
@@ -294,6 +301,34 @@ class MemoryModel:
 
     def stashed_bytes(self, recompute: Iterable[int] = ()) -> int:
         """Bytes live at the end of forward, fixed bytes excluded: what the
-        step stashes for backward."""
+        step stashes for backward (and the forward's outputs)."""
         p = self.profile(recompute)
         return int(p.memory[max(self.forward_end_slot - 1, 0)]) - self.fixed if len(p.memory) else 0
+
+    def handed_on_bytes(self) -> int:
+        """Bytes of the forward outputs that this graph's backward does not
+        read: after a graph break the next graph takes them as inputs."""
+        return sum(s.bytes for s in self.graph.storages
+                   if s.producer is not None and s.producer < self.graph.num_forward
+                   and s.alive_until is not None and self.bw_first.get(s.id) is None
+                   and self.end.get(s.id, 0) < self.forward_end_slot)
+
+    def later_graphs_bytes(self) -> int:
+        """What the rest of the step (later graphs, after a graph break) is
+        expected to use on top of what this graph carries through them: the
+        gradients of this graph's outputs (tangents; later graphs make them)
+        and one activation as large as the outputs handed on (what the next
+        graph computes from them, e.g. a loss's log-softmax). A heuristic:
+        measured on GPT-2's loss graph, which uses 3 MiB over 1 MiB of logits
+        (logits gradient, log-softmax, its gradient) against 2 + 2 MiB
+        reserved (logits and key/value caches)."""
+        tangents = sum(s.bytes for s in self.graph.storages if s.name.startswith("tangents"))
+        return tangents + self.handed_on_bytes()
+
+    def carried_bytes(self, recompute: Iterable[int] = ()) -> int:
+        """What this graph keeps allocated while later graphs of the step run
+        (after a graph break): its fixed bytes and its stash, less the forward
+        outputs that its backward does not read (the next graph takes them as
+        inputs and counts them there) and less the gradients of its outputs
+        (tangents: later graphs make them)."""
+        return self.stashed_bytes(recompute) + self.fixed - self.handed_on_bytes()
