@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "PLANNER_RESULT "
@@ -79,10 +79,34 @@ def recompute_counter(partition, counts: Dict[str, float]):
     return counted
 
 
-def _setup():
+def calibrated_device() -> Dict[str, Any]:
+    """The ``cpu-host`` cost model, calibrated once in the parent process
+    (one torch thread, as the workers run) and handed to every worker: the
+    calibration is a timing, so per-process calibration on a loaded machine
+    would give every run its own yardstick (and our planner its own costs)."""
+    import dataclasses
+
+    import torch
+    from membudget import costs
+
+    torch.set_num_threads(1)
+    return dataclasses.asdict(costs.device_model("cpu-host"))
+
+
+def _use_device(fields: Optional[Dict[str, Any]]) -> None:
+    if not fields:
+        return
+    from membudget import costs
+
+    device = costs.DeviceModel(**fields)
+    costs._calibrated_cpu_host = lambda: device  # device_model("cpu-host") now returns the parent's
+
+
+def _setup(device: Optional[Dict[str, Any]] = None):
     import torch
 
     torch.set_num_threads(1)
+    _use_device(device)
     import membudget
 
     membudget.install(budget=None, min_tensor_bytes="1TiB", actions="swap")  # count only
@@ -120,7 +144,7 @@ def compiled(w, spec: Dict[str, Any], counts: Dict[str, float]):
 
 
 def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    _setup()
+    _setup(spec.get("device"))
     import membudget
     import torch
     from membudget._native import load_extension
@@ -196,7 +220,15 @@ def timing_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             "q3_s": [statistics.quantiles(t, n=4)[2] for t in times]}
 
 
+DEVICE: Dict[str, Any] = {}
+
+
 def spawn(spec: Dict[str, Any], timeout: float = 900) -> Dict[str, Any]:
+    """Run ``spec`` in a fresh worker process (with the parent's cost model)."""
+    if DEVICE:
+        spec = dict(spec, device=DEVICE)
+        if "variants" in spec:
+            spec["variants"] = [dict(v, device=DEVICE) for v in spec["variants"]]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBUDGET_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))
     try:
@@ -227,8 +259,11 @@ def main() -> int:
 
     import torch
 
+    DEVICE.update(calibrated_device())
     print(f"# bench_planner: {platform.machine()} CPU, torch {torch.__version__}, 1 torch thread per run, "
           f"aot_eager executor (boxed_nop), peak = allocated bytes over one step")
+    print(f"# cost model (cpu-host, calibrated once, used by every run): {DEVICE['flops_per_s']['fp32'] / 1e9:.1f} "
+          f"GFLOP/s fp32, {DEVICE['memory_bytes_per_s'] / 1e9:.1f} GB/s, launch {1e6 * DEVICE['launch_s']:.1f} us")
     start = time.time()
     summary = []
     for model in args.models.split(","):
