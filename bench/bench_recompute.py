@@ -178,6 +178,9 @@ class ModelBench:
                 drop_count=int(stats.get("drop_count", 0)),
                 swap_out=int(stats.get("swap_out_bytes", 0)),
                 evictions_wasted=int(stats.get("evictions_wasted", 0)),
+                mapped=int(stats.get("mapped_bytes_total", 0)),
+                unmapped=int(stats.get("unmapped_bytes_total", 0)),
+                moved=int(stats.get("moved_bytes_total", 0)),
                 identical=identical(self.plains[0], result),
             )
             if row.get("peak_override") is not None:

@@ -10,7 +10,10 @@ unmanaged peak with fixed segments — what PyTorch's caching allocator design
 reserves — and with expandable ones, then trains at 70, 50 and 40% of the
 *fixed* peak with each kind of segment (``delta``, ``actions=both``), so both
 get the same budget in bytes. Plain PyTorch runs alternate with the others as
-in bench_recompute.py, and each step time is a ratio to them.
+in bench_recompute.py, and each step time is a ratio to them. "mapped/unmapped/moved" is what each run
+obtained from and gave back to the device (pages, or fixed segments) and the
+pages it moved between free blocks, over all its steps: the cost of re-mapping
+near the budget, independent of machine load.
 
     python bench/bench_segments.py [--quick] [--models gpt2,cnn,lstm] [--markdown bench/RESULTS.md]
 """
@@ -63,7 +66,7 @@ def bench_model(model: str, args) -> List[Dict[str, Any]]:
 
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     header = ["model", "budget", "segments", "budget MiB", "peak MiB", "step ratio", "recomputes",
-              "swap out MiB", "evictions wasted", "identical"]
+              "swap out MiB", "evictions wasted", "mapped/unmapped/moved MiB", "identical"]
     body, errors = [], []
     for row in rows:
         label = [row["model"], row["budget_label"], row["segments"]]
@@ -71,7 +74,7 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
             peaks = row["peaks"]
             body.append(label + ["-", f"fixed {peaks['fixed'] / MiB:.1f} / expandable "
                                       f"{peaks['expandable'] / MiB:.1f}",
-                                 f"plain {row['step_s'] * 1e3:.0f} ms", "-", "-", "-", "ref"])
+                                 f"plain {row['step_s'] * 1e3:.0f} ms", "-", "-", "-", "-", "ref"])
             continue
         budget = f"{row['budget'] / MiB:.1f}" if row.get("budget") else "-"
         if "error" in row:
@@ -80,8 +83,9 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
             errors.append(f"{row['model']} {row['budget_label']} {row['segments']}: {row['error']}")
             continue
         peak = f"{row['peak'] / MiB:.1f}" + (" > budget!" if row["peak"] > row["budget"] else "")
+        traffic = "/".join(f"{row.get(key, 0) / MiB:.0f}" for key in ("mapped", "unmapped", "moved"))
         body.append(label + [budget, peak, f"{row['ratio']:.2f}x", str(row["recompute_count"]),
-                             f"{row['swap_out'] / MiB:.0f}", str(row["evictions_wasted"]),
+                             f"{row['swap_out'] / MiB:.0f}", str(row["evictions_wasted"]), traffic,
                              "yes" if row["identical"] else "NO"])
     return render_table(header, body, errors, markdown, left_columns=3)
 

@@ -209,6 +209,15 @@ void bind_events_and_backends(py::module_& core) {
       .def("host_free", [](HostBackend& b, uintptr_t p, size_t n) { b.host_free(to_pointer(p), n); })
       .def("device_bytes_in_use", &HostBackend::device_bytes_in_use)
       .def("page_bytes", &HostBackend::page_bytes)
+      // Note [Expandable segments] calls, for bench/bench_page_moves.py.
+      .def("reserve_address_range", [](HostBackend& b, size_t n) { return to_address(b.reserve_address_range(n)); })
+      .def("release_address_range",
+           [](HostBackend& b, uintptr_t p, size_t n) { b.release_address_range(to_pointer(p), n); })
+      .def("map_pages", [](HostBackend& b, uintptr_t p, size_t n) { return b.map_pages(to_pointer(p), n); })
+      .def("unmap_pages", [](HostBackend& b, uintptr_t p, size_t n) { b.unmap_pages(to_pointer(p), n); })
+      .def("move_pages", [](HostBackend& b, uintptr_t from, uintptr_t to, size_t n) {
+        return b.move_pages(to_pointer(from), to_pointer(to), n);
+      })
       .def("record", [](HostBackend& b, uintptr_t s) { return b.record(to_stream(s)); },
            py::arg("stream") = 0)
       .def("stream_wait",
