@@ -459,6 +459,11 @@ void ResidencyManager::maybe_start_background_swaps() {
     // Copying ahead is only worth it for entries the director would swap.
     if (!c.swap_chosen) continue;
     if (!ensure_host_slot(entry)) break;
+    if (config_.log_decisions) {
+      std::fprintf(stderr, "membudget: background swap-out %s id=%llu seq=%llu next_use=%lld swap_stall=%.3fms\n",
+                   format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->id(),
+                   (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance, c.cost_seconds * 1e3);
+    }
     entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;
     in_flight_.push_back(entry);
