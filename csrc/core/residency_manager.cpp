@@ -161,6 +161,7 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
     c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
+  c.seconds_until_next_use = seconds_until_next_use(c);
   const Decision chosen = decide_for(entry, c);
   c.cost_seconds = chosen.chosen_seconds();
   c.swap_chosen = chosen.action == EvictionAction::swap;
