@@ -7,6 +7,10 @@ rest of membudget relies on: live blocks never overlap and are 512-aligned,
 the allocated statistic is the sum of live rounded sizes, reserved bytes stay
 within the budget, the snapshot tiles every segment exactly, and a block freed
 while a held stream still uses it is not handed out again before release.
+The same machine runs with expandable segments (Note [Expandable segments]),
+where reserved bytes are mapped pages: a request must fit whenever the pages
+pinned by live blocks leave room for it, and releasing the cache leaves mapped
+exactly the pages under live blocks.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 from hypothesis import settings, strategies as st
@@ -42,10 +46,14 @@ def overlaps(a_start, a_size, b_start, b_size):
 class AllocatorMachine(RuleBasedStateMachine):
     """Shadow model: live allocations, held streams, blocks awaiting streams."""
 
+    EXPANDABLE = False
+
     @initialize(budget=st.sampled_from([3 * MiB, 8 * MiB, 24 * MiB, 64 * MiB]))
     def start(self, budget):
         self.backend = core.HostBackend()
-        self.allocator = core.CachingAllocator(self.backend, budget)
+        self.allocator = core.CachingAllocator(self.backend, budget, expandable_segments=self.EXPANDABLE)
+        assert self.allocator.expandable_segments == self.EXPANDABLE
+        self.page = self.backend.page_bytes()
         self.budget = budget
         self.reserved_ceiling = budget  # see check_reserved_within_budget
         # address -> (size, requested, stream, recorded streams). Rules pick
@@ -74,8 +82,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         size = self.allocator.allocation_size(address)
         assert address % MIN_BLOCK == 0
         assert size >= rounded(nbytes)
-        # Only a large block too small to split may carry a remainder.
-        assert size - rounded(nbytes) <= (SMALL_SIZE if size > SMALL_SIZE else 0)
+        # Only a large block too small to split may carry a remainder; an
+        # expandable segment splits off any remainder.
+        if self.EXPANDABLE:
+            assert size == rounded(nbytes)
+        else:
+            assert size - rounded(nbytes) <= (SMALL_SIZE if size > SMALL_SIZE else 0)
         for other, (other_size, *_rest) in self.live.items():
             assert not overlaps(address, size, other, other_size), "live blocks overlap"
         for other, (other_size, _streams) in self.awaiting.items():
@@ -123,7 +135,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.released_unnoticed.clear()
         after = self.allocator.stats()["reserved_current"]
         assert before - after == released
-        assert not self.whole_free_segments(), "release_cached left a free segment"
+        if self.EXPANDABLE:
+            assert after == self.pinned_bytes(), "release_cached left free pages mapped"
+        else:
+            assert not self.whole_free_segments(), "release_cached left a free segment"
 
     @rule(budget=st.sampled_from([2 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]))
     def set_budget(self, budget):
@@ -133,7 +148,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.allocator.budget() == budget
         reserved = self.allocator.stats()["reserved_current"]
         if reserved > budget:
-            assert not self.whole_free_segments(), "set_budget kept cached segments"
+            if self.EXPANDABLE:
+                assert reserved == self.pinned_bytes(), "set_budget kept free pages mapped"
+            else:
+                assert not self.whole_free_segments(), "set_budget kept cached segments"
         self.reserved_ceiling = max(budget, reserved)
 
     # ---- helpers -----------------------------------------------------------
@@ -143,8 +161,21 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if len(s["blocks"]) == 1 and not s["blocks"][0]["allocated"]
                 and not s["blocks"][0]["awaiting_events"]]
 
+    def pinned_bytes(self):
+        """Bytes of the pages that live and awaiting blocks touch: what must
+        stay mapped in expandable segments."""
+        pages = set()
+        spans = [(a, v[0]) for a, v in self.live.items()] + [(a, v[0]) for a, v in self.awaiting.items()]
+        for address, size in spans:
+            pages.update(range(address // self.page, (address + size - 1) // self.page + 1))
+        return len(pages) * self.page
+
     def reservable_without_eviction(self):
-        """What rung 2 or 3 must be able to reserve: the budget left plus free segments."""
+        """What rung 2 or 3 must be able to reserve: the budget left plus free
+        segments; with expandable segments, the budget left by pinned pages,
+        less the two partial pages a request may straddle."""
+        if self.EXPANDABLE:
+            return max(0, self.budget - self.pinned_bytes() - 2 * self.page)
         reserved = self.allocator.stats()["reserved_current"]
         releasable = sum(s["size"] for s in self.whole_free_segments())
         return max(0, self.budget - (reserved - releasable))
@@ -168,7 +199,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if block["awaiting_events"]:
                     awaiting[block["address"]] = block["size"]
             assert cursor == segment["address"] + segment["size"]
-        assert sum(s["size"] for s in segments) == stats["reserved_current"]
+            assert segment["expandable"] == self.EXPANDABLE
+            assert segment["mapped_bytes"] <= segment["size"]
+        assert sum(s["mapped_bytes"] for s in segments) == stats["reserved_current"]
+        assert self.backend.device_bytes_in_use() == stats["reserved_current"]
         assert len(segments) == stats["num_segments"]
         assert allocated == {a: v[0] for a, v in self.live.items()}
         expected = {a: v[0] for a, v in self.awaiting.items()}
@@ -211,6 +245,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.backend.device_bytes_in_use() == 0
 
 
-AllocatorMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None)
+class ExpandableAllocatorMachine(AllocatorMachine):
+    EXPANDABLE = True
+
+
+for machine in (AllocatorMachine, ExpandableAllocatorMachine):
+    machine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestAllocatorProperties = AllocatorMachine.TestCase
+TestExpandableAllocatorProperties = ExpandableAllocatorMachine.TestCase

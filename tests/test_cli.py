@@ -184,3 +184,24 @@ def test_run_subprocess_stats_printed_to_stderr(script):
     result = run_cli("run", "--stats", str(script))
     assert result.returncode == 3, result.stderr
     assert "membudget stats" in result.stderr
+
+
+@needs_install
+@pytest.mark.parametrize("flag, expected", [("0", False), ("1", True)])
+def test_run_subprocess_expandable_segments_flag(tmp_path, flag, expected):
+    """The flag reaches the allocator: the run trains a little under a budget
+    and reports which kind of segment served it."""
+    path = tmp_path / "segments.py"
+    path.write_text(textwrap.dedent(
+        """
+        import json, torch, membudget
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        model(torch.randn(512, 256)).sum().backward()
+        stats = membudget.memory_stats()
+        print(json.dumps({"expandable": stats["expandable_segments"],
+                          "within": stats["reserved_bytes.all.peak"] <= stats["budget_bytes"]}))
+        """
+    ))
+    result = run_cli("run", "--budget", "64MiB", "--expandable-segments", flag, str(path))
+    assert result.returncode == 0, result.stderr
+    assert f'"expandable": {str(expected).lower()}, "within": true' in result.stdout

@@ -291,7 +291,7 @@ def test_env_table_mentions_every_variable():
     assert lines[0] == "| Variable | Default | Accepted values | Meaning |"
     names = {"MEMBUDGET_BUDGET", "MEMBUDGET_HOST_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_ACTIONS",
              "MEMBUDGET_MIN_TENSOR_BYTES", "MEMBUDGET_PREFETCH_BYTES", "MEMBUDGET_HIGH_WATERMARK",
-             "MEMBUDGET_LOG"}
+             "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS"}
     assert {variable.name for variable in VARIABLES} == names
     for name in names:
         assert f"`{name}`" in table
@@ -326,3 +326,15 @@ def test_format_bytes(count, text):
 def test_docs_table_is_the_generated_one():
     docs = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert env_table_markdown() in docs.read_text(), "regenerate the table in docs/configuration.md"
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("on", True), (" YES ", True), ("true", True),
+                                             ("0", False), ("off", False), ("No", False), ("false", False)])
+def test_expandable_segments_switch(value, expected):
+    assert Config.from_env({"MEMBUDGET_EXPANDABLE_SEGMENTS": value}).expandable_segments is expected
+    assert Config.from_env({}).expandable_segments is True
+
+
+def test_expandable_segments_rejects_other_words():
+    with pytest.raises(ConfigError, match="MEMBUDGET_EXPANDABLE_SEGMENTS='maybe' is not a switch"):
+        Config.from_env({"MEMBUDGET_EXPANDABLE_SEGMENTS": "maybe"})

@@ -243,3 +243,40 @@ def test_record_stream_and_empty_cache_reach_membudget():
     out = last_json_line(result)
     assert out["path"] == "hooks"
     assert out["y"] == 2.0
+
+
+FRAGMENTED_CUDA = """
+    import json, sys, torch, membudget
+    membudget.install(budget="64MiB", expandable_segments=sys.argv[1] == "1")
+    MiB = 1 << 20
+    a = torch.full((24 * MiB,), 1, dtype=torch.uint8, device="cuda")
+    b = torch.full((6 * MiB,), 2, dtype=torch.uint8, device="cuda")
+    del a
+    c = torch.full((8 * MiB,), 3, dtype=torch.uint8, device="cuda")  # cut from a's free block
+    try:
+        d = torch.full((40 * MiB,), 4, dtype=torch.uint8, device="cuda")
+        sums = [int(t.sum(dtype=torch.int64)) for t in (b, c, d)]
+        error = None
+    except torch.OutOfMemoryError as oom:
+        sums, error = None, str(oom)
+    stats = membudget.memory_stats()
+    print(json.dumps({"sums": sums, "error": error, "peak": stats["reserved_bytes.all.peak"],
+                      "expandable": stats["expandable_segments"]}))
+"""
+
+
+@requires_cuda
+def test_expandable_segments_fit_what_fixed_segments_cannot():
+    """16 MiB free in a's segment, pinned by c, and a 40 MiB request: fixed
+    segments cannot release the partly used segment and fail; expandable ones
+    unmap its free pages (after the device finished with them) and back the
+    request in the range's tail, with every byte written and read back."""
+    def run(flag):
+        code = "import sys; sys.argv[1:] = [%r]\n" % flag + textwrap.dedent(FRAGMENTED_CUDA)
+        return last_json_line(run_python(code))
+
+    fixed, expandable = run("0"), run("1")
+    assert not fixed["expandable"] and "out of memory" in fixed["error"]
+    assert expandable["expandable"] and expandable["error"] is None
+    assert expandable["sums"] == [2 * 6 * MiB, 3 * 8 * MiB, 4 * 40 * MiB]
+    assert expandable["peak"] <= 64 * MiB

@@ -110,3 +110,15 @@ def test_parameters_and_their_views_are_not_managed():
     h = torch.tanh(layer(x))          # a fresh activation is managed
     assert native.live_handles() > before
     (y + h.sum()).backward()
+
+
+def test_expandable_segments_cannot_change_after_the_allocator_exists():
+    import membudget
+
+    membudget.install()
+    try:
+        assert membudget.memory_stats()["expandable_segments"] is True
+        with pytest.raises(RuntimeError, match="expandable segments on; MEMBUDGET_EXPANDABLE_SEGMENTS cannot change"):
+            membudget.install(expandable_segments=False)
+    finally:
+        membudget.uninstall()

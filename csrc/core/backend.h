@@ -29,6 +29,26 @@ class Backend {
   virtual void* host_alloc(size_t bytes) = 0;
   virtual void host_free(void* ptr, size_t bytes) = 0;
 
+  // Note [Expandable segments]: virtual address ranges backed page by page,
+  // so the allocator can return the pages of free fragments to the budget and
+  // back a request anywhere in one growing range (PyTorch's
+  // expandable_segments). A backend without virtual memory returns 0 from
+  // page_bytes() and the allocator uses fixed segments only.
+  //
+  // The granularity of map_pages/unmap_pages; 0 when not supported.
+  virtual size_t page_bytes() const { return 0; }
+  // Reserves `bytes` (a multiple of page_bytes()) of address space with no
+  // memory behind it; nullptr when refused.
+  virtual void* reserve_address_range(size_t /*bytes*/) { return nullptr; }
+  // Gives back a range from reserve_address_range; its pages are unmapped.
+  virtual void release_address_range(void* /*base*/, size_t /*bytes*/) {}
+  // Backs [ptr, ptr + bytes) (page aligned, inside a reserved range, not
+  // mapped yet) with device memory. False when the device refuses; then
+  // nothing was mapped.
+  virtual bool map_pages(void* /*ptr*/, size_t /*bytes*/) { return false; }
+  // Returns the memory behind [ptr, ptr + bytes) (page aligned, mapped).
+  virtual void unmap_pages(void* /*ptr*/, size_t /*bytes*/) {}
+
   // An event that completes when the work queued on `stream` so far is done.
   virtual EventPtr record(Stream stream) = 0;
   // Work queued on `stream` after this call waits for `event`. On the host

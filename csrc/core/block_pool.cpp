@@ -15,11 +15,13 @@ Block* BlockPool::take_best_fit(Stream stream, size_t size) {
 
 bool BlockPool::should_split(const Block* block, size_t size) const {
   size_t remaining = block->size - size;
+  if (block->expandable != nullptr) return remaining >= kMinBlockSize;
   return small_ ? remaining >= kMinBlockSize : remaining > kSmallSize;
 }
 
 Block* BlockPool::split(Block* block, size_t size) {
   auto* remainder = new Block(block->ptr + size, block->size - size, block->stream, this);
+  remainder->expandable = block->expandable;
   remainder->prev = block;
   remainder->next = block->next;
   if (remainder->next != nullptr) remainder->next->prev = remainder;

@@ -13,6 +13,7 @@
 namespace membudget {
 
 class BlockPool;
+class ExpandableSegment;
 
 // One contiguous piece of a segment, allocated to a caller or free.
 //
@@ -34,6 +35,9 @@ struct Block {
   BlockPool* pool;
   bool allocated = false;
   int pending_events = 0;
+  // The segment, when it is an expandable one (Note [Expandable segments]);
+  // nullptr in a fixed segment.
+  ExpandableSegment* expandable = nullptr;
   Block* prev = nullptr;  // neighbours within the segment
   Block* next = nullptr;
   std::vector<Stream> stream_uses;  // extra streams from record_stream
@@ -77,7 +81,10 @@ class BlockPool {
   // Whether what remains after cutting `size` bytes from `block` is worth a
   // block of its own: any remainder of at least kMinBlockSize in the small
   // pool, more than kSmallSize in the large pool (a smaller remainder of a
-  // large block would only fragment it; PyTorch's rule).
+  // large block would only fragment it; PyTorch's rule). In an expandable
+  // segment any remainder is split off: its pages can be unmapped, so it
+  // costs nothing, while leaving it in the block would hold up to 1 MiB
+  // mapped for nothing.
   bool should_split(const Block* block, size_t size) const;
 
   // Cuts `block` to `size` bytes and returns the new free remainder that

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "block_pool.h"
+#include "expandable_segment.h"
 #include "out_of_memory.h"
 #include "units.h"
 
@@ -42,8 +43,10 @@ constexpr const char* kOomHint =
 // All members are guarded by `mutex`; every method of Impl assumes it is held
 // (Note [Locking]).
 struct CachingAllocator::Impl {
-  Impl(Backend& backend_, MemoryKind kind_, size_t budget_bytes, std::string name_)
-      : backend(backend_), kind(kind_), name(std::move(name_)), budget(budget_bytes) {
+  Impl(Backend& backend_, MemoryKind kind_, size_t budget_bytes, std::string name_, bool expandable_segments)
+      : backend(backend_), kind(kind_), name(std::move(name_)),
+        expandable(expandable_segments && kind_ == MemoryKind::device && backend_.page_bytes() > 0),
+        budget(budget_bytes) {
     stats.budget = budget_bytes;
   }
 
@@ -52,11 +55,15 @@ struct CachingAllocator::Impl {
   struct Segment {
     Block* head;
     size_t size;
+    std::unique_ptr<ExpandableSegment> expandable;  // null for a fixed segment
   };
 
   Backend& backend;
   const MemoryKind kind;
   const std::string name;
+  // Note [Expandable segments]: one growing segment per pool and stream
+  // instead of fixed segments.
+  const bool expandable;
   mutable std::mutex mutex;
   size_t budget;
   // Bytes in segments. Atomic so that the budget check reads as RMM's:
@@ -67,9 +74,14 @@ struct CachingAllocator::Impl {
   BlockPool large_pool{false};
   std::unordered_map<const void*, Block*> live_blocks;
   std::map<uintptr_t, Segment> segments;  // by address, for snapshot and teardown
+  // The expandable segment of each (pool, stream), once created.
+  std::map<std::pair<const BlockPool*, Stream>, ExpandableSegment*> expandable_segments;
   // Blocks in the "awaiting" state (Note [Block states]), one entry per event.
   std::vector<std::pair<EventPtr, Block*>> awaiting;
   AllocatorStats stats;
+  // What the last failed back_with_pages lacked (Note [Partial release]).
+  size_t shortfall_bytes = 0;
+  const Block* shortfall_block = nullptr;
 
   void* upstream_alloc(size_t bytes) {
     return kind == MemoryKind::device ? backend.device_alloc(bytes)
@@ -92,17 +104,131 @@ struct CachingAllocator::Impl {
     return true;
   }
 
+  void note_reserved_peak() { stats.reserved_peak = std::max(stats.reserved_peak, reserved_bytes.load()); }
+
   // Rung 1: best fit among cached blocks of this stream, split if worth it.
   Block* take_cached(BlockPool& pool, Stream stream, size_t size) {
     Block* block = pool.take_best_fit(stream, size);
-    if (block != nullptr && pool.should_split(block, size)) {
-      pool.insert(pool.split(block, size));
+    if (block == nullptr) return nullptr;
+    if (!back_with_pages(block, size)) {
+      pool.insert(block);
+      block = take_mapped_fit(pool, stream, size);
+      if (block == nullptr) return nullptr;
     }
+    if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
+  }
+
+  // Bounds the search of take_mapped_fit: it runs only when the best fit
+  // cannot be backed, but must stay cheap with thousands of free blocks.
+  static constexpr int kMappedFitSearch = 64;
+
+  // When the best fit of an expandable segment needs pages the budget cannot
+  // back, a larger free block whose pages are already mapped may serve
+  // without releasing anything: the smallest such block among the next
+  // kMappedFitSearch in best-fit order. Removed from the pool, or nullptr.
+  Block* take_mapped_fit(BlockPool& pool, Stream stream, size_t size) {
+    Block key(nullptr, size, stream, &pool);
+    auto it = pool.free_blocks().lower_bound(&key);
+    for (int looked = 0; it != pool.free_blocks().end() && looked < kMappedFitSearch; ++it, ++looked) {
+      Block* candidate = *it;
+      if (candidate->stream != stream) break;
+      if (candidate->expandable == nullptr ||
+          candidate->expandable->unmapped_bytes_touching(candidate->ptr, size) != 0) {
+        continue;
+      }
+      pool.erase(candidate);
+      return candidate;
+    }
+    return nullptr;
+  }
+
+  // Maps the unmapped pages under the first `size` bytes of a free block of an
+  // expandable segment, within the budget. True when they are all mapped
+  // (always, in a fixed segment).
+  // On failure it records what rung 3 must release (Note [Partial release]).
+  bool back_with_pages(Block* block, size_t size) {
+    if (block->expandable == nullptr) return true;
+    ExpandableSegment& segment = *block->expandable;
+    const size_t needed = segment.unmapped_bytes_touching(block->ptr, size);
+    if (needed == 0) return true;
+    if (!try_reserve(needed)) {
+      const size_t reserved = reserved_bytes.load();
+      shortfall_bytes = needed - (budget > reserved ? budget - reserved : 0);
+      shortfall_block = block;
+      return false;
+    }
+    if (!segment.map_range(block->ptr, size)) {
+      reserved_bytes.fetch_sub(needed);
+      shortfall_bytes = std::numeric_limits<size_t>::max();  // the device refused: give back all
+      shortfall_block = nullptr;
+      return false;
+    }
+    stats.mapped_bytes_total += needed;
+    note_reserved_peak();
+    return true;
+  }
+
+  // Note [Partial release]: rung 3 with expandable segments unmaps only the
+  // shortfall of the block rung 1 wanted, from the free blocks with the most
+  // mapped pages first (fewest calls), and from that block itself last and
+  // only past the bytes it was wanted for (those would only be mapped
+  // again). Releasing every free page instead, as
+  // PyTorch's empty_cache does, makes each allocation near the budget unmap
+  // memory that the next ones map and fault in again.
+  size_t release_free_pages(size_t wanted, const Block* keep, size_t keep_bytes) {
+    std::vector<std::pair<size_t, Block*>> mapped;
+    for (BlockPool* pool : {&small_pool, &large_pool}) {
+      for (Block* block : pool->free_blocks()) {
+        if (block == keep || block->expandable == nullptr) continue;
+        const size_t bytes = block->expandable->mapped_bytes_inside(block->ptr, block->size);
+        if (bytes > 0) mapped.emplace_back(bytes, block);
+      }
+    }
+    std::sort(mapped.begin(), mapped.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    size_t released = 0;
+    for (const auto& entry : mapped) {
+      if (released >= wanted) break;
+      released += entry.second->expandable->unmap_inside(entry.second->ptr, entry.second->size);
+    }
+    if (released < wanted && keep != nullptr && keep->size > keep_bytes) {
+      released += keep->expandable->unmap_inside(keep->ptr + keep_bytes, keep->size - keep_bytes);
+    }
+    reserved_bytes.fetch_sub(released);
+    stats.unmapped_bytes_total += released;
+    return released;
+  }
+
+  // Bytes a free block gives back to the budget when released: its whole
+  // segment when it spans one, the mapped pages wholly inside it in an
+  // expandable segment, otherwise nothing.
+  static size_t releasable_bytes(const Block* block) {
+    if (block->expandable != nullptr) return block->expandable->mapped_bytes_inside(block->ptr, block->size);
+    return block->spans_segment() ? block->size : 0;
+  }
+
+  // Rung 2 with expandable segments: the first request of a (pool, stream)
+  // reserves its segment, as large as the device; later ones find it in
+  // rung 1, so there is never a second one.
+  Block* new_expandable_segment(BlockPool& pool, Stream stream, size_t size) {
+    const auto key = std::make_pair(static_cast<const BlockPool*>(&pool), stream);
+    if (expandable_segments.count(key) != 0) return nullptr;
+    auto segment = std::make_unique<ExpandableSegment>(backend, std::max(backend.device_capacity(), size));
+    if (segment->base() == nullptr) return nullptr;
+    auto* block = new Block(segment->base(), segment->size(), stream, &pool);
+    block->expandable = segment.get();
+    expandable_segments.emplace(key, segment.get());
+    const size_t virtual_size = segment->size();
+    segments.emplace(reinterpret_cast<uintptr_t>(block->ptr), Segment{block, virtual_size, std::move(segment)});
+    ++stats.num_segments;
+    pool.insert(block);
+    return take_cached(pool, stream, size);
   }
 
   // Rung 2: a new segment within the budget (Note [Budget]).
   Block* new_segment(BlockPool& pool, Stream stream, size_t size) {
+    if (expandable) return new_expandable_segment(pool, stream, size);
     size_t segment_size = standard_segment_size(size);
     if (!try_reserve(segment_size)) {
       if (segment_size == size || !try_reserve(size)) return nullptr;
@@ -114,9 +240,9 @@ struct CachingAllocator::Impl {
       return nullptr;
     }
     auto* block = new Block(static_cast<char*>(ptr), segment_size, stream, &pool);
-    segments.emplace(reinterpret_cast<uintptr_t>(ptr), Segment{block, segment_size});
+    segments.emplace(reinterpret_cast<uintptr_t>(ptr), Segment{block, segment_size, nullptr});
     ++stats.num_segments;
-    stats.reserved_peak = std::max(stats.reserved_peak, reserved_bytes.load());
+    note_reserved_peak();
     if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
   }
@@ -154,16 +280,23 @@ struct CachingAllocator::Impl {
     awaiting.resize(kept);
   }
 
-  // Rung 3: returns every free block that spans its whole segment to the
-  // backend. Partly used segments stay: their free pieces cannot be returned.
+  // Rung 3: returns every free block that spans its whole fixed segment to
+  // the backend, and unmaps the free pages of expandable segments. Partly used
+  // fixed segments stay: their free pieces cannot be returned.
   size_t release_free_segments() {
     std::vector<Block*> releasable;
+    size_t released = 0;
     for (BlockPool* pool : {&small_pool, &large_pool}) {
       for (Block* block : pool->free_blocks()) {
-        if (block->spans_segment()) releasable.push_back(block);
+        if (block->expandable != nullptr) {
+          released += block->expandable->unmap_inside(block->ptr, block->size);
+        } else if (block->spans_segment()) {
+          releasable.push_back(block);
+        }
       }
     }
-    size_t released = 0;
+    reserved_bytes.fetch_sub(released);
+    stats.unmapped_bytes_total += released;
     for (Block* block : releasable) {
       block->pool->erase(block);
       segments.erase(reinterpret_cast<uintptr_t>(block->ptr));
@@ -176,10 +309,15 @@ struct CachingAllocator::Impl {
     return released;
   }
 
+  // Bytes in free blocks that are backed by memory (an expandable segment's
+  // never-mapped tail is free but costs nothing, so it does not count).
   size_t free_cached_bytes() const {
     size_t bytes = 0;
     for (const BlockPool* pool : {&small_pool, &large_pool}) {
-      for (const Block* block : pool->free_blocks()) bytes += block->size;
+      for (const Block* block : pool->free_blocks()) {
+        bytes += block->expandable != nullptr ? block->expandable->mapped_bytes_inside(block->ptr, block->size)
+                                              : block->size;
+      }
     }
     return bytes;
   }
@@ -192,8 +330,8 @@ struct CachingAllocator::Impl {
 };
 
 CachingAllocator::CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
-                                   std::string name)
-    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name))) {}
+                                   std::string name, bool expandable_segments)
+    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name), expandable_segments)) {}
 
 CachingAllocator::~CachingAllocator() {
   for (auto& entry : impl_->segments) {
@@ -203,7 +341,10 @@ CachingAllocator::~CachingAllocator() {
       delete block;
       block = next;
     }
-    impl_->upstream_free(reinterpret_cast<void*>(entry.first), entry.second.size);
+    // An expandable segment unmaps its pages and releases its range itself.
+    if (entry.second.expandable == nullptr) {
+      impl_->upstream_free(reinterpret_cast<void*>(entry.first), entry.second.size);
+    }
   }
 }
 
@@ -219,6 +360,8 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
   BlockPool& pool = size <= kSmallSize ? self.small_pool : self.large_pool;
   bool counted_retry = false;
   for (;;) {
+    self.shortfall_bytes = std::numeric_limits<size_t>::max();
+    self.shortfall_block = nullptr;
     Block* block = self.take_cached(pool, stream, size);                // rung 1
     if (block == nullptr) block = self.new_segment(pool, stream, size);  // rung 2
     if (block == nullptr) {                                              // rung 3
@@ -226,7 +369,11 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
         ++self.stats.num_alloc_retries;
         counted_retry = true;
       }
-      if (self.release_free_segments() > 0) {
+      if (self.expandable) {
+        if (self.release_free_pages(self.shortfall_bytes, self.shortfall_block, size) > 0) {
+          block = self.take_cached(pool, stream, size);
+        }
+      } else if (self.release_free_segments() > 0) {
         block = self.new_segment(pool, stream, size);
       }
     }
@@ -236,6 +383,10 @@ void* CachingAllocator::Impl::climb_ladder(size_t bytes, Stream stream, std::uni
       // rather than evict. The piece stays in the large pool (it merges back
       // there when freed); the remainder is split off at small granularity.
       block = self.large_pool.take_best_fit(stream, size);
+      if (block != nullptr && !self.back_with_pages(block, size)) {
+        self.large_pool.insert(block);
+        block = nullptr;
+      }
       if (block != nullptr && block->size - size >= kMinBlockSize) {
         self.large_pool.insert(self.large_pool.split(block, size));
       }
@@ -326,6 +477,8 @@ void CachingAllocator::set_budget(size_t budget_bytes) {
   if (impl_->reserved_bytes.load() > budget_bytes) impl_->release_free_segments();
 }
 
+bool CachingAllocator::expandable_segments() const { return impl_->expandable; }
+
 size_t CachingAllocator::budget() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->budget;
@@ -358,8 +511,10 @@ size_t CachingAllocator::largest_free_or_reservable() const {
   size_t releasable = 0;
   for (const BlockPool* pool : {&impl_->small_pool, &impl_->large_pool}) {
     for (const Block* block : pool->free_blocks()) {
-      largest_free = std::max(largest_free, block->size);
-      if (block->spans_segment()) releasable += block->size;
+      // An expandable segment's free blocks count only by what they give back
+      // (Note [Expandable segments]); their unmapped pages need headroom.
+      if (block->expandable == nullptr) largest_free = std::max(largest_free, block->size);
+      releasable += Impl::releasable_bytes(block);
     }
   }
   size_t reserved = impl_->reserved_bytes.load();
@@ -382,6 +537,22 @@ size_t CachingAllocator::usable_range_at(const void* ptr) const {
   if (block == nullptr) return 0;
   const bool counts_as_free = block->is_free() || (block->allocated && block->ptr == ptr);
   if (!counts_as_free) return 0;
+  if (block->expandable != nullptr) {
+    // Every free page can be unmapped and a request backed anywhere in the
+    // range's tail, so what is usable is the headroom plus all free pages,
+    // and the pages deallocating this block would free.
+    size_t usable = headroom + impl_->free_cached_bytes();
+    if (block->allocated) {
+      const Block* first = block->prev != nullptr && block->prev->is_free() ? block->prev : block;
+      const Block* last = block->next != nullptr && block->next->is_free() ? block->next : block;
+      const size_t merged = static_cast<size_t>(last->ptr + last->size - first->ptr);
+      size_t gained = block->expandable->mapped_bytes_inside(first->ptr, merged);
+      if (first != block) gained -= Impl::releasable_bytes(first);
+      if (last != block) gained -= Impl::releasable_bytes(last);
+      usable += gained;
+    }
+    return usable;
+  }
   size_t range = block->size;
   bool spans = block->spans_segment();
   if (block->allocated) {  // as if deallocated: merge with free neighbours
@@ -418,6 +589,8 @@ void CachingAllocator::reset_counters() {
   impl_->stats.num_alloc_retries = 0;
   impl_->stats.num_ooms = 0;
   impl_->stats.num_evictor_calls = 0;
+  impl_->stats.mapped_bytes_total = 0;
+  impl_->stats.unmapped_bytes_total = 0;
 }
 
 std::vector<SegmentInfo> CachingAllocator::snapshot() const {
@@ -428,6 +601,8 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     SegmentInfo segment;
     segment.address = entry.first;
     segment.size = entry.second.size;
+    segment.expandable = entry.second.expandable != nullptr;
+    segment.mapped_bytes = segment.expandable ? entry.second.expandable->mapped_bytes() : entry.second.size;
     segment.small_pool = entry.second.head->pool->is_small();
     for (const Block* block = entry.second.head; block != nullptr; block = block->next) {
       BlockInfo info;

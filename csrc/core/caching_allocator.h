@@ -6,6 +6,13 @@
 // (2 MiB small / 20 MiB large) would break it, the segment is shrunk to the
 // rounded request.
 //
+// With expandable segments (Note [Expandable segments] in backend.h;
+// expandable_segment.h) each pool has one segment per stream, a reserved
+// address range as large as the device whose pages are mapped on demand:
+// reserved bytes are the mapped pages, rung 2 creates the range once, and
+// rung 3 unmaps the free pages so a request can be backed in the tail. Used
+// for device memory where the backend supports it and the caller asks.
+//
 // Note [OOM ladder]: allocate() tries, in order,
 //   1. a cached free block (best fit, same stream, split if large enough);
 //   2. a new segment within the budget;
@@ -53,6 +60,10 @@ struct AllocatorStats {
   size_t num_segments = 0;
   size_t num_live_blocks = 0;
   size_t num_evictor_calls = 0;
+  // Expandable segments: bytes of pages mapped and unmapped so far. Their
+  // growth per step is the cost of releasing memory near the budget.
+  size_t mapped_bytes_total = 0;
+  size_t unmapped_bytes_total = 0;
 };
 
 // One block as seen by snapshot(), for tests and debugging.
@@ -68,7 +79,9 @@ struct BlockInfo {
 
 struct SegmentInfo {
   uintptr_t address = 0;
-  size_t size = 0;
+  size_t size = 0;          // address range; for an expandable segment, reserved
+  size_t mapped_bytes = 0;  // backed by memory: size, except in expandable ones
+  bool expandable = false;
   bool small_pool = false;
   std::vector<BlockInfo> blocks;  // in address order, covering the segment
 };
@@ -89,8 +102,10 @@ class CachingAllocator {
  public:
   // `kind` selects backend.device_alloc or backend.host_alloc as upstream.
   // `name` appears in error messages ("device", "host tier").
+  // `expandable_segments` asks for expandable segments; it takes effect for
+  // device memory on a backend with page_bytes() > 0 (expandable_segments()).
   CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
-                   std::string name);
+                   std::string name, bool expandable_segments = false);
   ~CachingAllocator();  // returns all segments to the backend
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
@@ -107,7 +122,11 @@ class CachingAllocator {
   // Marks ptr as used by `stream` too (see Note [Stream-ordered reuse]).
   void record_stream(void* ptr, Stream stream);
 
-  // Returns cached free segments to the backend; returns bytes released.
+  // Whether this allocator uses expandable segments.
+  bool expandable_segments() const;
+
+  // Returns cached free segments to the backend (and unmaps the free pages of
+  // expandable segments); returns bytes released.
   size_t release_cached();
   // Changing the budget below current reserved bytes releases cached segments
   // first; it does not fail, later allocations must evict to fit.

@@ -6,6 +6,7 @@
 // device pointers, streams (cudaStream_t is a CUstream) and events pass freely
 // between them; the legacy default stream (nullptr) is the same stream in both.
 #include "core/cuda_backend.h"
+#include "core/cuda_virtual_memory.h"
 
 #include <cuda_runtime_api.h>
 
@@ -170,6 +171,7 @@ struct CudaBackend::Impl {
   mutable CopyQueue h2d_queue;
   mutable std::once_flag capacity_once;
   mutable size_t capacity_bytes = 0;
+  std::unique_ptr<CudaVirtualMemory> virtual_memory;
 
   // Records a pooled event on `stream`; the caller has the device current.
   std::shared_ptr<CudaEvent> record_on(cudaStream_t stream) {
@@ -211,6 +213,7 @@ CudaBackend::CudaBackend(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
   impl_->events = std::make_shared<EventPool>(device);
   DeviceScope scope(device);
+  impl_->virtual_memory = std::make_unique<CudaVirtualMemory>(device);
   // Copies get the highest priority so that a swap-in the next op waits for is
   // not queued behind a long run of compute kernels on the SMs' scheduler.
   int least_priority = 0;
@@ -331,6 +334,28 @@ EventPtr CudaBackend::copy_to_device(void* device_dst, const void* host_src, siz
 size_t CudaBackend::pending_copies(CopyDirection direction) const {
   return direction == CopyDirection::device_to_host ? impl_->d2h_queue.pending()
                                                     : impl_->h2d_queue.pending();
+}
+
+size_t CudaBackend::page_bytes() const { return impl_->virtual_memory->page_bytes(); }
+
+void* CudaBackend::reserve_address_range(size_t bytes) {
+  DeviceScope scope(impl_->device);
+  return impl_->virtual_memory->reserve(bytes);
+}
+
+void CudaBackend::release_address_range(void* base, size_t bytes) {
+  DeviceScope scope(impl_->device);
+  impl_->virtual_memory->release(base, bytes);
+}
+
+bool CudaBackend::map_pages(void* ptr, size_t bytes) {
+  DeviceScope scope(impl_->device);
+  return impl_->virtual_memory->map(ptr, bytes);
+}
+
+void CudaBackend::unmap_pages(void* ptr, size_t bytes) {
+  DeviceScope scope(impl_->device);
+  impl_->virtual_memory->unmap(ptr, bytes);
 }
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {

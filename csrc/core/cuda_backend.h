@@ -57,6 +57,13 @@ class CudaBackend final : public Backend {
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes,
                           Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
+  // Note [Expandable segments] over the driver's virtual memory API
+  // (cuda_virtual_memory.h); page_bytes() is 0 where the device lacks it.
+  size_t page_bytes() const override;
+  void* reserve_address_range(size_t bytes) override;
+  void release_address_range(void* base, size_t bytes) override;
+  bool map_pages(void* ptr, size_t bytes) override;
+  void unmap_pages(void* ptr, size_t bytes) override;
 
  private:
   struct Impl;

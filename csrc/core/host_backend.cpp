@@ -1,5 +1,6 @@
 #include "host_backend.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -173,6 +174,46 @@ void* HostBackend::device_alloc(size_t bytes) {
 void HostBackend::device_free(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
   std::free(ptr);
+  impl_->device_used_bytes.fetch_sub(bytes);
+}
+
+size_t HostBackend::page_bytes() const {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGE_SIZE));
+  return page;
+}
+
+void* HostBackend::reserve_address_range(size_t bytes) {
+  void* base = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return base == MAP_FAILED ? nullptr : base;
+}
+
+void HostBackend::release_address_range(void* base, size_t bytes) {
+  if (base != nullptr) munmap(base, bytes);
+}
+
+bool HostBackend::map_pages(void* ptr, size_t bytes) {
+  size_t before = impl_->device_used_bytes.fetch_add(bytes);
+  if (before + bytes > impl_->capacity_bytes) {
+    impl_->device_used_bytes.fetch_sub(bytes);
+    return false;
+  }
+  // MAP_POPULATE faults the pages in here, in one call, as cudaMalloc'd
+  // memory is backed at once: mapping happens only on the allocation path
+  // (never to be touched later at a page fault per 4 KiB).
+  void* mapped = mmap(ptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_POPULATE,
+                      -1, 0);
+  if (mapped == MAP_FAILED) {
+    impl_->device_used_bytes.fetch_sub(bytes);
+    return false;
+  }
+  return true;
+}
+
+void HostBackend::unmap_pages(void* ptr, size_t bytes) {
+  // Replacing the pages (rather than mprotect) drops their contents and
+  // memory at once; the range stays reserved.
+  void* reserved = mmap(ptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) throw std::runtime_error("membudget: HostBackend could not unmap pages");
   impl_->device_used_bytes.fetch_sub(bytes);
 }
 

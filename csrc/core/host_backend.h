@@ -38,8 +38,17 @@ class HostBackend final : public Backend {
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes,
                           Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
+  // Note [Expandable segments] over mmap: PROT_NONE reservations whose pages
+  // are replaced by anonymous read-write memory when mapped, and by a fresh
+  // PROT_NONE mapping (which returns the memory to the OS) when unmapped.
+  // Mapped pages count against the capacity like device_alloc.
+  size_t page_bytes() const override;
+  void* reserve_address_range(size_t bytes) override;
+  void release_address_range(void* base, size_t bytes) override;
+  bool map_pages(void* ptr, size_t bytes) override;
+  void unmap_pages(void* ptr, size_t bytes) override;
 
-  // Bytes currently handed out by device_alloc.
+  // Bytes currently handed out by device_alloc or mapped by map_pages.
   size_t device_bytes_in_use() const;
 
   // Test hook (Note [Virtual streams]): from now on, events recorded on the

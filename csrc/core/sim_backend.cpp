@@ -12,6 +12,9 @@ namespace {
 constexpr uintptr_t kDeviceBase = uintptr_t{1} << 44;
 constexpr uintptr_t kHostBase = uintptr_t{1} << 46;
 constexpr size_t kPageBytes = 4096;
+// The physical allocation granularity of current NVIDIA GPUs
+// (cuMemGetAllocationGranularity), for expandable segments.
+constexpr size_t kGpuPageBytes = size_t{2} << 20;
 
 size_t round_to_page(size_t bytes) { return (bytes + kPageBytes - 1) / kPageBytes * kPageBytes; }
 
@@ -49,6 +52,23 @@ void* SimBackend::device_alloc(size_t bytes) {
 }
 
 void SimBackend::device_free(void*, size_t bytes) { device_in_use_ -= std::min(bytes, device_in_use_); }
+
+size_t SimBackend::page_bytes() const { return kGpuPageBytes; }
+
+void* SimBackend::reserve_address_range(size_t bytes) {
+  next_device_address_ = (next_device_address_ + kGpuPageBytes - 1) / kGpuPageBytes * kGpuPageBytes;
+  void* base = reinterpret_cast<void*>(next_device_address_);
+  next_device_address_ += bytes;
+  return base;
+}
+
+bool SimBackend::map_pages(void*, size_t bytes) {
+  if (device_in_use_ + bytes > capacity_bytes_) return false;
+  device_in_use_ += bytes;
+  return true;
+}
+
+void SimBackend::unmap_pages(void*, size_t bytes) { device_in_use_ -= std::min(bytes, device_in_use_); }
 
 void* SimBackend::host_alloc(size_t bytes) {
   void* ptr = reinterpret_cast<void*>(next_host_address_);

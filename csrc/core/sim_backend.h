@@ -43,6 +43,13 @@ class SimBackend final : public Backend {
   EventPtr copy_to_host(void* host_dst, const void* device_src, size_t bytes, Stream after) override;
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes, Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
+  // Note [Expandable segments] with a GPU's 2 MiB granularity: reservations
+  // are fresh address ranges, mapped pages count against the capacity.
+  size_t page_bytes() const override;
+  void* reserve_address_range(size_t bytes) override;
+  void release_address_range(void*, size_t) override {}
+  bool map_pages(void* ptr, size_t bytes) override;
+  void unmap_pages(void* ptr, size_t bytes) override;
 
   // Modelled time, so that the manager's timings (copies, stalls, intervals)
   // are the simulated ones; offset so it is never the zero time_point.

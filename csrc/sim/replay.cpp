@@ -94,7 +94,7 @@ class Replayer {
   Replayer(const ReplayProgram& program, const ReplayConfig& config)
       : program_(program), config_(config),
         backend_(config.capacity_bytes, config.link_bytes_per_s),
-        device_(backend_, MemoryKind::device, config.budget_bytes, "device"),
+        device_(backend_, MemoryKind::device, config.budget_bytes, "device", config.expandable_segments),
         host_tier_(backend_, MemoryKind::host, config.host_budget_bytes, "host tier"),
         manager_(backend_, device_, host_tier_, config.manager), pending_frees_(device_),
         tensors_(program.tensor_bytes.size()) {

@@ -62,6 +62,7 @@ struct ReplayConfig {
   double link_bytes_per_s = 1e10;
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
+  bool expandable_segments = true;     // as the runtime's default
   ManagerConfig manager;               // policy, actions, prefetch, watermark, link
   int iterations = 2;
 };

@@ -130,6 +130,8 @@ py::dict stats_dict(const AllocatorStats& stats) {
   result["num_segments"] = stats.num_segments;
   result["num_live_blocks"] = stats.num_live_blocks;
   result["num_evictor_calls"] = stats.num_evictor_calls;
+  result["mapped_bytes_total"] = stats.mapped_bytes_total;
+  result["unmapped_bytes_total"] = stats.unmapped_bytes_total;
   return result;
 }
 
@@ -149,6 +151,8 @@ py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
     py::dict entry;
     entry["address"] = segment.address;
     entry["size"] = segment.size;
+    entry["mapped_bytes"] = segment.mapped_bytes;
+    entry["expandable"] = segment.expandable;
     entry["small_pool"] = segment.small_pool;
     entry["blocks"] = blocks;
     result.append(entry);
@@ -203,6 +207,7 @@ void bind_events_and_backends(py::module_& core) {
       .def("host_alloc", [](HostBackend& b, size_t n) { return to_address(b.host_alloc(n)); })
       .def("host_free", [](HostBackend& b, uintptr_t p, size_t n) { b.host_free(to_pointer(p), n); })
       .def("device_bytes_in_use", &HostBackend::device_bytes_in_use)
+      .def("page_bytes", &HostBackend::page_bytes)
       .def("record", [](HostBackend& b, uintptr_t s) { return b.record(to_stream(s)); },
            py::arg("stream") = 0)
       .def("stream_wait",
@@ -256,11 +261,13 @@ void bind_allocator(py::module_& core) {
   py::class_<CachingAllocator>(core, "CachingAllocator",
                                "PyTorch-style caching allocator bounded by a budget on reserved bytes.")
       .def(py::init([](Backend& backend, size_t budget_bytes, const std::string& name,
-                       const std::string& kind) {
-             return std::make_unique<CachingAllocator>(backend, parse_kind(kind), budget_bytes, name);
+                       const std::string& kind, bool expandable_segments) {
+             return std::make_unique<CachingAllocator>(backend, parse_kind(kind), budget_bytes, name,
+                                                       expandable_segments);
            }),
            py::arg("backend"), py::arg("budget_bytes"), py::arg("name") = "device",
-           py::arg("kind") = "device", py::keep_alive<1, 2>())
+           py::arg("kind") = "device", py::arg("expandable_segments") = false, py::keep_alive<1, 2>())
+      .def_property_readonly("expandable_segments", &CachingAllocator::expandable_segments)
       .def("allocate",
            [](CachingAllocator& a, size_t bytes, uintptr_t s) {
              return to_address(a.allocate(bytes, to_stream(s)));
@@ -278,6 +285,8 @@ void bind_allocator(py::module_& core) {
       .def("allocation_size",
            [](const CachingAllocator& a, uintptr_t p) { return a.allocation_size(to_pointer(p)); })
       .def("largest_free_or_reservable", &CachingAllocator::largest_free_or_reservable)
+      .def("usable_range_at",
+           [](const CachingAllocator& a, uintptr_t p) { return a.usable_range_at(to_pointer(p)); })
       .def("stats", [](const CachingAllocator& a) { return stats_dict(a.stats()); })
       .def("reset_peak_stats", &CachingAllocator::reset_peak_stats)
       .def("snapshot", [](const CachingAllocator& a) { return snapshot_list(a.snapshot()); })

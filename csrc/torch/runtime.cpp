@@ -47,6 +47,7 @@ RuntimeConfig config_from_dict(const py::dict& d) {
   if (d.contains("high_watermark")) c.high_watermark = d["high_watermark"].cast<double>();
   if (d.contains("log_decisions")) c.log_decisions = d["log_decisions"].cast<bool>();
   if (d.contains("link_bytes_per_s")) c.link_bytes_per_s = d["link_bytes_per_s"].cast<double>();
+  if (d.contains("expandable_segments")) c.expandable_segments = d["expandable_segments"].cast<bool>();
   return c;
 }
 
@@ -58,6 +59,11 @@ void install_runtime(const std::string& device_kind, int device_index, const py:
     if (runtime->device_kind() != device_kind) {
       throw std::runtime_error("membudget: already installed for " + runtime->device_kind() +
                                "; one process has one managed device");
+    }
+    if (runtime->config().expandable_segments != config.expandable_segments) {
+      throw std::runtime_error(std::string("membudget: the allocator was created with expandable segments ") +
+                               (runtime->config().expandable_segments ? "on" : "off") +
+                               "; MEMBUDGET_EXPANDABLE_SEGMENTS cannot change within a process");
     }
     runtime->reconfigure(config);
   } else if (device_kind == "cpu") {
@@ -96,6 +102,9 @@ py::dict memory_stats() {
   d["num_alloc_retries"] = a.num_alloc_retries;
   d["num_ooms"] = a.num_ooms;
   d["num_segments"] = a.num_segments;
+  d["expandable_segments"] = runtime->device_allocator().expandable_segments();
+  d["mapped_bytes_total"] = a.mapped_bytes_total;
+  d["unmapped_bytes_total"] = a.unmapped_bytes_total;
   d["host_tier_reserved_bytes"] = h.reserved_current;
   d["host_tier_peak_bytes"] = h.reserved_peak;
   d["host_budget_bytes"] = budget(h.budget);
@@ -144,7 +153,8 @@ Runtime& Runtime::create(std::unique_ptr<Backend> backend, const std::string& de
 Runtime::Runtime(std::unique_ptr<Backend> backend, const std::string& device_kind, const RuntimeConfig& config)
     : config_(config), device_kind_(device_kind), backend_(std::move(backend)) {
   device_allocator_ = std::make_unique<CachingAllocator>(*backend_, MemoryKind::device,
-                                                         budget_or_unbounded(config.budget_bytes), "device");
+                                                         budget_or_unbounded(config.budget_bytes), "device",
+                                                         config.expandable_segments);
   host_tier_ = std::make_unique<CachingAllocator>(*backend_, MemoryKind::host,
                                                   budget_or_unbounded(config.host_budget_bytes), "host tier");
   manager_ = std::make_unique<ResidencyManager>(*backend_, *device_allocator_, *host_tier_, manager_config(config));

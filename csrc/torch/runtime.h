@@ -23,6 +23,8 @@ struct RuntimeConfig {
   double high_watermark = 0.8;    // fraction of budget where background swap-out starts
   bool log_decisions = false;
   double link_bytes_per_s = 10e9; // host link until copies measure it
+  // Note [Expandable segments]; fixed when the runtime is created.
+  bool expandable_segments = true;
 };
 
 class Runtime {

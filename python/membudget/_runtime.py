@@ -78,6 +78,7 @@ def install(
     prefetch_bytes: Optional[Union[str, int]] = None,
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
+    expandable_segments: Optional[bool] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -94,6 +95,11 @@ def install(
     model is built: memory allocated earlier is not counted or managed. Returns
     the resolved :class:`~membudget.config.Config`.
 
+    ``expandable_segments`` (default on) makes device memory one growing
+    virtual range per pool and stream, mapped page by page, so free fragments
+    go back to the budget (docs/allocator.md); it is fixed when the allocator
+    is created, and asking for the other setting later raises RuntimeError.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -108,6 +114,7 @@ def install(
         prefetch_bytes=prefetch_bytes,
         high_watermark=high_watermark,
         log=log,
+        expandable_segments=expandable_segments,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -121,6 +128,7 @@ def install(
         "prefetch_bytes": config.prefetch_bytes,
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
+        "expandable_segments": config.expandable_segments,
     }
     if plan is not None and not config.records_lineage:
         raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")

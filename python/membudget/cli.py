@@ -31,6 +31,8 @@ _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
     ("--actions", "MEMBUDGET_ACTIONS", "swap, recompute or both (default)"),
     ("--min-tensor-bytes", "MEMBUDGET_MIN_TENSOR_BYTES", "leave saved tensors below this size alone (default 1MiB)"),
     ("--prefetch-bytes", "MEMBUDGET_PREFETCH_BYTES", "prefetch window in backward, 0 disables (default 256MiB)"),
+    ("--expandable-segments", "MEMBUDGET_EXPANDABLE_SEGMENTS",
+     "1 (default): device memory in growing virtual ranges; 0: fixed segments"),
 )
 _VALUE_FLAGS = frozenset(flag for flag, _, _ in _RUN_SETTINGS)
 

@@ -49,6 +49,16 @@ Variables
 ``MEMBUDGET_LOG``
     Comma-separated log channels: ``decisions``, ``evictions``, ``prefetch``,
     ``summary``. Default: none.
+``MEMBUDGET_EXPANDABLE_SEGMENTS``
+    ``1`` (default) or ``0`` (also ``true``/``false``, ``on``/``off``,
+    ``yes``/``no``). With it, device memory comes in one growing virtual
+    range per pool and stream whose pages are mapped on demand (CUDA's
+    virtual memory API; mmap on the CPU), so free fragments go back to the
+    budget and a large request fits wherever the budget has room. Without it,
+    fixed segments as in PyTorch's default allocator, where free memory split
+    across segments can make a request fail. Fixed when the allocator is
+    created (the first ``install()``); a device without virtual memory
+    management uses fixed segments.
 
 ``MEMBUDGET_BUILD_DIR``, ``MEMBUDGET_BUILD_JOBS`` and ``MEMBUDGET_WITH_CUDA``
 are build-time variables read by ``setup.py`` (which cannot import this
@@ -291,6 +301,19 @@ def _parse_high_watermark(value: Union[str, float], label: str) -> float:
     return fraction
 
 
+_FLAG_WORDS = {"1": True, "true": True, "on": True, "yes": True,
+               "0": False, "false": False, "off": False, "no": False}
+
+
+def _parse_flag(value: Union[str, bool, int], label: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _FLAG_WORDS:
+        raise ConfigError(f"{label}={value!r} is not a switch: use 1 or 0 (true/false, on/off, yes/no)")
+    return _FLAG_WORDS[word]
+
+
 def _parse_log(value: Union[str, Iterable[str]], label: str) -> FrozenSet[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     channels = {str(item).strip().lower() for item in items} - {""}
@@ -368,6 +391,13 @@ VARIABLES: Tuple[Variable, ...] = (
         "Log channels to enable.",
         _parse_log,
     ),
+    Variable(
+        "MEMBUDGET_EXPANDABLE_SEGMENTS", "expandable_segments", "1",
+        "`1` or `0` (`true`/`false`, `on`/`off`, `yes`/`no`)",
+        "Device memory in growing virtual ranges mapped page by page, so free fragments return to the "
+        "budget; `0`: fixed segments. Fixed at the first `install()`.",
+        _parse_flag,
+    ),
 )
 _BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
 _BY_FIELD: Dict[str, Variable] = {variable.field: variable for variable in VARIABLES}
@@ -416,6 +446,7 @@ class Config:
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     log: FrozenSet[str] = frozenset()
+    expandable_segments: bool = True
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "Config":
@@ -423,7 +454,8 @@ class Config:
         each keyword override that is not ``None`` wins over its variable.
         Override keywords are the field names (``budget``, ``host_budget_bytes``
         or ``host_budget``, ``policy``, ``actions``, ``min_tensor_bytes``,
-        ``prefetch_bytes``, ``high_watermark``, ``log``) and take the same
+        ``prefetch_bytes``, ``high_watermark``, ``log``,
+        ``expandable_segments``) and take the same
         strings as the variables, or ints / floats / channel iterables. Unknown
         ``MEMBUDGET_*`` variables draw a warning; a bad value raises
         :class:`ConfigError` naming the variable (or keyword) and the value."""
@@ -493,6 +525,8 @@ def describe(config: Config) -> str:
          "MEMBUDGET_PREFETCH_BYTES"),
         ("high watermark", f"{config.high_watermark:g} of the budget", "MEMBUDGET_HIGH_WATERMARK"),
         ("log", ", ".join(sorted(config.log)) or "(none)", "MEMBUDGET_LOG"),
+        ("expandable segments", "on" if config.expandable_segments else "off (fixed segments)",
+         "MEMBUDGET_EXPANDABLE_SEGMENTS"),
     ]
     width = max(len(label) for label, _, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}  [{name}]" for label, value, name in rows)

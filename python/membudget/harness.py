@@ -77,6 +77,9 @@ _STAT_KEYS = (
     "dropped_bytes",
     "planned_drops",
     "evictions_wasted",
+    # Expandable segments: pages mapped / unmapped (re-mapping near the budget).
+    "mapped_bytes_total",
+    "unmapped_bytes_total",
     "link_bytes_per_s",
 )
 
@@ -87,8 +90,8 @@ class RunSpec:
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
     ``actions`` (``swap``, ``recompute`` or ``both``), ``host_budget`` (bytes),
-    ``min_tensor_bytes`` and ``prefetch_bytes`` go to :func:`membudget.install`
-    (``None``: the library's default); ``threads`` sets torch's intra-op
+    ``min_tensor_bytes``, ``prefetch_bytes`` and ``expandable_segments`` go to
+    :func:`membudget.install` (``None``: the library's default); ``threads`` sets torch's intra-op
     threads (``None``: torch's default). Fields added later default to
     ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
@@ -105,6 +108,7 @@ class RunSpec:
     threads: Optional[int] = None
     actions: Optional[str] = None
     host_budget: Optional[int] = None
+    expandable_segments: Optional[bool] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -191,6 +195,7 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
             host_budget=spec.host_budget,
             min_tensor_bytes=spec.min_tensor_bytes,
             prefetch_bytes=spec.prefetch_bytes,
+            expandable_segments=spec.expandable_segments,
             device=device,
         )
         gc.collect()

@@ -203,7 +203,7 @@ def _quick_gpt() -> Workload:
 
 
 def _quick_cnn() -> Workload:
-    return cnn(batch=8, image_size=32, widths=(16, 32), blocks_per_stage=1)
+    return cnn(batch=16, image_size=32, widths=(16, 32), blocks_per_stage=1)
 
 
 #: Workloads by name and size: ``WORKLOADS[name]["default" | "quick"]()``.

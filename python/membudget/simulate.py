@@ -87,7 +87,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
-        _log_decisions())
+        log_decisions=_log_decisions())
 
 
 def _log_decisions() -> bool:

@@ -27,7 +27,10 @@ def memory_stats() -> Dict[str, float]:
     ``recompute_bytes``, ``evicted_bytes``, ``prefetch_hits``,
     ``prefetch_misses``, ``stall_seconds``, plus residency by state
     (``resident_bytes``, ``host_bytes``, ``evictable_bytes``, ``in_use_bytes``)
-    and ``live_handles``."""
+    ``live_handles``, ``expandable_segments`` (whether device memory comes in
+    expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``) and their
+    ``mapped_bytes_total`` / ``unmapped_bytes_total`` since the last
+    :func:`reset_counters`."""
     return dict(load_extension().memory_stats())
 
 

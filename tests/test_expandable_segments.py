@@ -1,0 +1,171 @@
+"""Expandable segments (Note [Expandable segments], csrc/core/expandable_segment.h).
+
+Fixed segments fail when free cached memory exceeds a request but no free
+range is large enough and no segment is wholly free; expandable segments
+unmap the free pages and back the request in the range's tail. These tests
+drive membudget._C.core over a HostBackend, whose pages are real mmap pages:
+every byte handed out is written, so a page left unmapped would crash.
+"""
+import ctypes
+
+import pytest
+import torch
+
+from membudget._C import core
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@pytest.fixture
+def backend():
+    return core.HostBackend()
+
+
+def make(backend, budget, expandable=True):
+    return core.CachingAllocator(backend, budget, expandable_segments=expandable)
+
+
+def fill(address, size, byte):
+    ctypes.memset(address, byte, size)
+    assert ctypes.string_at(address + size - 1, 1) == bytes([byte])
+
+
+def fragment(allocator):
+    """A 6 MiB block freed, then 2 MiB cut from it, with a live 1.5 MiB block
+    after it: 4 MiB free between two live blocks, so no segment is wholly free
+    and no free range takes a 5 MiB request. Returns the two live blocks."""
+    big = allocator.allocate(6 * MiB)
+    neighbour = allocator.allocate(3 * MiB // 2)
+    allocator.deallocate(big)
+    return allocator.allocate(2 * MiB), neighbour
+
+
+def test_fixed_segments_fail_where_expandable_ones_fit(backend):
+    fixed = make(core.HostBackend(), 10 * MiB, expandable=False)
+    fragment(fixed)
+    with pytest.raises(torch.OutOfMemoryError, match="free in cache 4.00 MiB"):
+        fixed.allocate(5 * MiB)
+
+    expandable = make(backend, 10 * MiB)
+    kept, neighbour = fragment(expandable)
+    address = expandable.allocate(5 * MiB)
+    fill(kept, 2 * MiB, 1)
+    fill(neighbour, 3 * MiB // 2, 2)
+    fill(address, 5 * MiB, 3)
+    stats = expandable.stats()
+    assert stats["reserved_current"] == 2 * MiB + 3 * MiB // 2 + 5 * MiB
+    assert stats["reserved_peak"] <= 10 * MiB
+    assert stats["num_segments"] == 1
+    assert backend.device_bytes_in_use() == stats["reserved_current"]
+
+
+def test_one_range_per_pool_and_stream_reserved_as_large_as_the_device(backend):
+    allocator = make(backend, 64 * MiB)
+    allocator.allocate(4 * KiB)
+    allocator.allocate(3 * MiB)
+    allocator.allocate(3 * MiB, stream=5)
+    segments = allocator.snapshot()
+    assert len(segments) == 3
+    assert all(s["expandable"] and s["size"] >= backend.device_capacity() for s in segments)
+    assert sum(s["mapped_bytes"] for s in segments) == allocator.stats()["reserved_current"]
+
+
+def test_freed_pages_stay_cached_until_released(backend):
+    allocator = make(backend, 64 * MiB)
+    a = allocator.allocate(3 * MiB)
+    b = allocator.allocate(3 * MiB)
+    allocator.deallocate(a)
+    # Reuse from the cache: the same pages, no new reservation.
+    assert allocator.allocate(3 * MiB) == a
+    allocator.deallocate(a)
+    assert allocator.stats()["reserved_current"] == 6 * MiB
+    assert allocator.release_cached() == 3 * MiB
+    assert allocator.stats()["reserved_current"] == 3 * MiB
+    fill(b, 3 * MiB, 7)
+    # The unmapped range is mapped again on demand, and is usable.
+    again = allocator.allocate(3 * MiB)
+    fill(again, 3 * MiB, 8)
+    assert allocator.stats()["reserved_current"] == 6 * MiB
+
+
+def test_a_page_shared_with_a_live_block_stays_mapped(backend):
+    page = backend.page_bytes()
+    allocator = make(backend, 64 * MiB)
+    first = allocator.allocate(2 * MiB + 512)  # ends 512 B into a page
+    second = allocator.allocate(2 * MiB)       # starts in that page
+    allocator.deallocate(first)
+    allocator.release_cached()
+    # Only the page second shares with first stays mapped of first's pages.
+    assert allocator.stats()["reserved_current"] == 2 * MiB + page
+    fill(second, 2 * MiB, 3)
+
+
+def test_usable_range_counts_every_free_page_and_the_headroom(backend):
+    allocator = make(backend, 10 * MiB)
+    kept, _ = fragment(allocator)
+    # For the live block: 2.5 MiB headroom, 4 MiB of free pages, its own 2 MiB.
+    assert allocator.usable_range_at(kept) == 17 * MiB // 2
+    # In the free fragment: headroom and free pages; a fixed segment offers
+    # only the fragment itself.
+    assert allocator.usable_range_at(kept + 2 * MiB) == 13 * MiB // 2
+    fixed = make(core.HostBackend(), 10 * MiB, expandable=False)
+    kept_fixed, _ = fragment(fixed)
+    assert fixed.usable_range_at(kept_fixed + 2 * MiB) == 4 * MiB
+
+
+def test_largest_free_or_reservable_can_be_allocated(backend):
+    allocator = make(backend, 10 * MiB)
+    fragment(allocator)
+    largest = allocator.largest_free_or_reservable()
+    assert largest == 13 * MiB // 2
+    allocator.allocate(largest - backend.page_bytes())  # one page may be straddled
+
+
+def test_out_of_memory_counts_free_pages_not_the_unmapped_tail(backend):
+    allocator = make(backend, 4 * MiB)
+    allocator.allocate(3 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match="free in cache 0 B"):
+        allocator.allocate(2 * MiB)
+
+
+def test_device_refusal_maps_nothing(backend):
+    small_device = core.HostBackend(8 * MiB)
+    allocator = make(small_device, 64 * MiB)
+    allocator.allocate(6 * MiB)
+    with pytest.raises(torch.OutOfMemoryError):
+        allocator.allocate(4 * MiB)
+    assert allocator.stats()["reserved_current"] == small_device.device_bytes_in_use() == 6 * MiB
+
+
+def test_host_tier_and_opt_out_use_fixed_segments(backend):
+    host_tier = core.CachingAllocator(backend, 64 * MiB, name="host tier", kind="host",
+                                      expandable_segments=True)
+    assert not host_tier.expandable_segments
+    assert not make(core.HostBackend(), 64 * MiB, expandable=False).expandable_segments
+
+
+def test_destroying_the_allocator_unmaps_everything(backend):
+    allocator = make(backend, 64 * MiB)
+    allocator.allocate(3 * MiB)
+    allocator.allocate(100 * KiB)
+    assert backend.device_bytes_in_use() > 0
+    del allocator
+    assert backend.device_bytes_in_use() == 0
+
+
+def test_rung_three_unmaps_only_the_shortfall(backend):
+    allocator = make(backend, 10 * MiB)
+    first_hole = allocator.allocate(3 * MiB)
+    allocator.allocate(3 * MiB // 2)
+    second_hole = allocator.allocate(3 * MiB)
+    allocator.allocate(3 * MiB // 2)
+    allocator.deallocate(first_hole)
+    allocator.deallocate(second_hole)
+    # 4 MiB fits in neither hole: the tail needs 4 MiB and the budget has 1;
+    # one 3 MiB hole is unmapped, the other stays cached for the next request.
+    fill(allocator.allocate(4 * MiB), 4 * MiB, 5)
+    assert allocator.stats()["reserved_current"] == 10 * MiB
+    assert allocator.stats()["num_alloc_retries"] == 1
+    fill(allocator.allocate(3 * MiB), 3 * MiB, 6)  # the hole still mapped
+    assert allocator.stats()["num_alloc_retries"] == 1
