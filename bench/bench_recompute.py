@@ -312,6 +312,22 @@ def target_lines(rows: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def resolve_run_options(parser: argparse.ArgumentParser, args) -> List[str]:
+    """Fill in the --steps/--warmup defaults, check them and --plain-every,
+    and return the --models list (a parser error names what is wrong)."""
+    args.steps = args.steps or (3 if args.quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    if args.plain_every < 1:
+        parser.error("--plain-every must be at least 1")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in BENCHED_MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; known: {', '.join(BENCHED_MODELS)}")
+    return models
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
@@ -334,17 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 6)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.gc_policies = [p.strip() for p in args.gc_policies.split(",") if p.strip()]
-    if args.steps <= args.warmup:
-        parser.error("--steps must exceed --warmup")
-    if args.plain_every < 1:
-        parser.error("--plain-every must be at least 1")
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in BENCHED_MODELS]
-    if unknown:
-        parser.error(f"unknown models {unknown}; known: {', '.join(BENCHED_MODELS)}")
+    models = resolve_run_options(parser, args)
 
     started = time.perf_counter()
     rows: List[Dict[str, Any]] = []

@@ -27,7 +27,7 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from bench_recompute import BENCHED_MODELS, FRACTIONS, ModelBench  # noqa: E402
+from bench_recompute import BENCHED_MODELS, FRACTIONS, ModelBench, resolve_run_options  # noqa: E402
 from bench_swap import machine_line  # noqa: E402
 from bench_tables import render_table  # noqa: E402
 
@@ -99,14 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 6)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    if args.steps <= args.warmup:
-        parser.error("--steps must exceed --warmup")
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in BENCHED_MODELS]
-    if unknown:
-        parser.error(f"unknown models {unknown}; known: {', '.join(BENCHED_MODELS)}")
+    models = resolve_run_options(parser, args)
 
     started = time.perf_counter()
     rows: List[Dict[str, Any]] = []

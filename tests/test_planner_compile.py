@@ -14,18 +14,22 @@ import torch
 
 import membudget
 from membudget.planner import compile_backend
+from membudget.planner.analysis import MemoryModel
 from membudget.planner.workloads import workload
 
 pytestmark = pytest.mark.requires_native
 
 MiB = 1 << 20
 
-# model, sizes, budget as a fraction of the eager peak, planning margin
+# model, sizes, budget as a fraction of the eager peak, planning margin.
+# The margin covers allocator rounding and the few KiB the model does not
+# see (it was 5-25% before recomputed chains, tangents and _unsafe_view were
+# modelled as they run; docs/planner.md "How accurate is it").
 CASES = [
-    ("gpt2", dict(batch=4, seq=64), 0.80, 0.10),
-    ("bert", dict(batch=4, seq=128), 0.80, 0.10),
-    ("resnet", dict(batch=8, image=32), 0.85, 0.25),
-    ("seq2seq", dict(batch=32, source_len=8, target_len=8, hidden=128), 0.90, 0.05),
+    ("gpt2", dict(batch=4, seq=64), 0.80, 0.02),
+    ("bert", dict(batch=4, seq=128), 0.80, 0.02),
+    ("resnet", dict(batch=8, image=32), 0.85, 0.02),
+    ("seq2seq", dict(batch=32, source_len=8, target_len=8, hidden=128), 0.90, 0.02),
 ]
 
 
@@ -92,6 +96,97 @@ def test_compiled_matches_eager_under_budget(counting, name, sizes, fraction, ma
     assert peak <= budget, (f"{name}: measured {peak / MiB:.2f} MiB over budget {budget / MiB:.2f} MiB "
                             f"(eager {eager_peak / MiB:.2f}); predicted "
                             f"{[round(p['selection'].predicted_peak / MiB, 2) for p in plans]}")
+
+
+class _MeasuringExecutor:
+    """An ``aot_autograd`` compiler that runs each partitioned graph node by
+    node (freeing values at their last use, as ``boxed_nop``'s generated code
+    does) and records the peak allocated bytes while each node runs, under
+    the node's name, per compiled graph."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.graphs = []  # per compile, in compile order: {node name: peak bytes}
+
+    def __call__(self, gm, example_inputs):
+        record = {}
+        self.graphs.append(record)
+
+        class Measuring(torch.fx.Interpreter):
+            def run_node(self, n):
+                if n.op != "call_function":
+                    return super().run_node(n)
+                membudget.reset_peak_stats()
+                out = super().run_node(n)
+                record[n.name] = max(record.get(n.name, 0), membudget.memory_stats()["allocated_bytes.all.peak"])
+                return out
+
+        def run(args):
+            return Measuring(gm, garbage_collect_values=True).boxed_run(args)
+
+        run._boxed_call = True
+        return run
+
+
+@pytest.mark.parametrize("name,sizes", [("gpt2", dict(batch=4, seq=64)), ("bert", dict(batch=4, seq=64))],
+                         ids=["gpt2", "bert"])
+def test_predicted_peak_matches_measured_per_graph(counting, name, sizes):
+    """The memory model against the executed graphs, node by node: each
+    graph's predicted peak (its fixed bytes included) is the highest memory
+    measured while its nodes run, within 1% + 32 KiB. Before recomputed
+    chains freed their links (Note [Chains inside a recompute slot]),
+    tangents died at their last use and ``_unsafe_view`` was an alias, GPT-2's
+    first graph was over-predicted by 1.5 MiB at its default size."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    w = workload(name, **sizes)
+    torch.manual_seed(0)
+    model = w.build()
+    batch = w.batch()
+    echo = compile_backend("50%", compiler="aot_eager", method="greedy")
+    fw, bw = _MeasuringExecutor("fw"), _MeasuringExecutor("bw")
+    fn = torch.compile(w.loss, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw,
+                                                    partition_fn=echo.partitioner))
+    _step(model, fn, batch)  # compiles; the first call's memory is not a training step's
+    for record in fw.graphs + bw.graphs:
+        record.clear()
+    _step(model, fn, batch, steps=1)
+    plans = echo.partitioner.plans
+    assert len(fw.graphs) == len(plans) == len(bw.graphs)
+    assert any(p["selection"].recompute for p in plans)
+    # The first graph's forward runs before any other graph, and its
+    # backward after every later graph's (backward graphs compile in the
+    # order they run): both run alone, on top of what was allocated before.
+    m = MemoryModel(plans[0]["graph"])
+    profile = m.profile(plans[0]["selection"].recompute)
+    for phase, predicted, record in (
+            ("forward", int(profile.memory[:m.forward_end_slot].max()), fw.graphs[0]),
+            ("backward", int(profile.memory[m.forward_end_slot:].max()), bw.graphs[-1])):
+        measured = max(record.values()) - _LEFTOVER[0]
+        assert abs(predicted - measured) <= 0.01 * measured + 32 * 1024, \
+            f"{name} graph 0 {phase}: predicted {predicted / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB"
+
+
+def test_graph_break_budget_met_on_gpt2(counting):
+    """GPT-2's loss is a second graph (a graph break in transformers): the
+    first graph must leave it room (a reserve for later graphs, and only what
+    stays resident carried). Run alone in a fresh process at 55% of the eager
+    peak (2.81 MiB), the first-come plan (first graph to its own budget, then
+    the loss graph over it) measured 2.98 MiB; this plan 2.79. (Inside the
+    suite the eager peak it is measured against can be higher.)"""
+    w = workload("gpt2", batch=4, seq=64)
+    torch.manual_seed(0)
+    model = w.build()
+    batch = w.batch()
+    eager_loss, _, eager_peak = _step(model, w.loss, batch)
+    budget = int(0.55 * eager_peak)
+    backend = compile_backend(budget, compiler="aot_eager", method="greedy", margin=0.02)
+    loss, _, peak = _step(model, torch.compile(w.loss, backend=backend), batch)
+    _close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert peak <= budget, (f"measured {peak / MiB:.2f} MiB over budget {budget / MiB:.2f} MiB "
+                            f"(eager {eager_peak / MiB:.2f})")
+    plans = backend.partitioner.plans
+    assert len(plans) == 2 and plans[0]["reserve_bytes"] > 0
 
 
 class TwoStages(torch.nn.Module):

@@ -48,6 +48,11 @@ class Backend {
   virtual bool map_pages(void* /*ptr*/, size_t /*bytes*/) { return false; }
   // Returns the memory behind [ptr, ptr + bytes) (page aligned, mapped).
   virtual void unmap_pages(void* /*ptr*/, size_t /*bytes*/) {}
+  // Moves the memory behind mapped [from, from + bytes) to unmapped
+  // [to, to + bytes), leaving `from` unmapped; contents move with it. Much
+  // cheaper than unmap + map where the device can (no new memory to clear or
+  // create). False when it cannot; then nothing changed.
+  virtual bool move_pages(void* /*from*/, void* /*to*/, size_t /*bytes*/) { return false; }
 
   // An event that completes when the work queued on `stream` so far is done.
   virtual EventPtr record(Stream stream) = 0;

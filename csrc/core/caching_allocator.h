@@ -60,10 +60,14 @@ struct AllocatorStats {
   size_t num_segments = 0;
   size_t num_live_blocks = 0;
   size_t num_evictor_calls = 0;
-  // Expandable segments: bytes of pages mapped and unmapped so far. Their
-  // growth per step is the cost of releasing memory near the budget.
+  // Bytes obtained from and given back to the device so far: pages mapped and
+  // unmapped in expandable segments, fixed segments allocated and freed.
+  // Their growth per step is what releasing memory near the budget costs.
   size_t mapped_bytes_total = 0;
   size_t unmapped_bytes_total = 0;
+  // Expandable segments: bytes of pages moved from free blocks to where a
+  // request needed them (Note [Page recycling]).
+  size_t moved_bytes_total = 0;
 };
 
 // One block as seen by snapshot(), for tests and debugging.

@@ -358,6 +358,11 @@ void CudaBackend::unmap_pages(void* ptr, size_t bytes) {
   impl_->virtual_memory->unmap(ptr, bytes);
 }
 
+bool CudaBackend::move_pages(void* from, void* to, size_t bytes) {
+  DeviceScope scope(impl_->device);
+  return impl_->virtual_memory->move(from, to, bytes);
+}
+
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   return std::make_unique<CudaBackend>(device);
 }

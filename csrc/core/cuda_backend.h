@@ -64,6 +64,7 @@ class CudaBackend final : public Backend {
   void release_address_range(void* base, size_t bytes) override;
   bool map_pages(void* ptr, size_t bytes) override;
   void unmap_pages(void* ptr, size_t bytes) override;
+  bool move_pages(void* from, void* to, size_t bytes) override;
 
  private:
   struct Impl;

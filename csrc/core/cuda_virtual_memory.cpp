@@ -156,6 +156,29 @@ bool CudaVirtualMemory::map(void* ptr, size_t bytes) {
   return true;
 }
 
+bool CudaVirtualMemory::move(void* from, void* to, size_t bytes) {
+  Impl& self = *impl_;
+  if (self.page == 0) return false;
+  if (cudaDeviceSynchronize() != cudaSuccess) {  // see unmap()
+    (void)cudaGetLastError();
+    return false;
+  }
+  const auto source = reinterpret_cast<uintptr_t>(from);
+  const auto target = reinterpret_cast<uintptr_t>(to);
+  std::lock_guard<std::mutex> lock(self.mutex);
+  for (size_t offset = 0; offset < bytes; offset += self.page) {
+    auto handle = self.handles.find(source + offset);
+    if (handle == self.handles.end()) throw std::logic_error("membudget: moving a page that is not mapped");
+    const CUmemGenericAllocationHandle physical = handle->second;
+    self.check(self.unmap(static_cast<CUdeviceptr>(source + offset), self.page), "cuMemUnmap");
+    self.handles.erase(handle);
+    self.check(self.map(static_cast<CUdeviceptr>(target + offset), self.page, 0, physical, 0), "cuMemMap");
+    self.handles.emplace(target + offset, physical);
+  }
+  self.check(self.set_access(static_cast<CUdeviceptr>(target), bytes, &self.access, 1), "cuMemSetAccess");
+  return true;
+}
+
 void CudaVirtualMemory::unmap(void* ptr, size_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(ptr);
   // A free block's last kernels may still be running: the allocator hands

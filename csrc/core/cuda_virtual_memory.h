@@ -29,6 +29,9 @@ class CudaVirtualMemory {
   // False when the device is out of memory; then nothing stays mapped.
   bool map(void* ptr, size_t bytes);
   void unmap(void* ptr, size_t bytes);
+  // Remaps the physical pages behind [from, from + bytes) at `to` (no
+  // cuMemCreate or cuMemRelease); waits for the device first, as unmap().
+  bool move(void* from, void* to, size_t bytes);
 
  private:
   struct Impl;

@@ -43,6 +43,16 @@ size_t ExpandableSegment::unmapped_bytes_touching(const char* ptr, size_t bytes)
   return count * page_;
 }
 
+bool ExpandableSegment::fully_mapped(const char* ptr, size_t bytes) const {
+  const size_t first = page_index(ptr);
+  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
+  if (last > mapped_.size()) return false;
+  for (size_t page = first; page < last; ++page) {
+    if (!mapped_[page]) return false;
+  }
+  return true;
+}
+
 bool ExpandableSegment::map_range(const char* ptr, size_t bytes) {
   const size_t first = page_index(ptr);
   const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
@@ -84,6 +94,39 @@ size_t ExpandableSegment::unmap_inside(const char* ptr, size_t bytes) {
     released += count * page_;
   });
   return released;
+}
+
+std::vector<size_t> ExpandableSegment::unmapped_pages_touching(const char* ptr, size_t bytes) const {
+  const size_t first = page_index(ptr);
+  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
+  std::vector<size_t> pages;
+  for_each_run(first, last, false, [&pages](size_t start, size_t count) {
+    for (size_t page = start; page < start + count; ++page) pages.push_back(page);
+  });
+  return pages;
+}
+
+std::vector<size_t> ExpandableSegment::mapped_pages_inside(const char* ptr, size_t bytes) const {
+  const size_t offset = static_cast<size_t>(ptr - base_);
+  const size_t first = (offset + page_ - 1) / page_;
+  const size_t last = std::min((offset + bytes) / page_, mapped_.size());
+  std::vector<size_t> pages;
+  for_each_run(first, last, true, [&pages](size_t start, size_t count) {
+    for (size_t page = start; page < start + count; ++page) pages.push_back(page);
+  });
+  return pages;
+}
+
+bool ExpandableSegment::move(ExpandableSegment& from, size_t from_page, ExpandableSegment& to, size_t to_page,
+                             size_t count) {
+  const size_t page = from.page_;
+  if (!from.backend_.move_pages(from.base_ + from_page * page, to.base_ + to_page * page, count * page)) return false;
+  std::fill_n(from.mapped_.begin() + static_cast<std::ptrdiff_t>(from_page), count, false);
+  from.mapped_pages_ -= count;
+  if (to.mapped_.size() < to_page + count) to.mapped_.resize(to_page + count, false);
+  std::fill_n(to.mapped_.begin() + static_cast<std::ptrdiff_t>(to_page), count, true);
+  to.mapped_pages_ += count;
+  return true;
 }
 
 }  // namespace membudget

@@ -35,6 +35,9 @@ class ExpandableSegment {
   // Bytes of the pages touching [ptr, ptr + bytes) that are not mapped: what
   // map_range would add to reserved memory.
   size_t unmapped_bytes_touching(const char* ptr, size_t bytes) const;
+  // Whether every page touching [ptr, ptr + bytes) is mapped; stops at the
+  // first that is not.
+  bool fully_mapped(const char* ptr, size_t bytes) const;
   // Maps the unmapped pages touching [ptr, ptr + bytes). False when the
   // backend refuses; then nothing new stays mapped.
   bool map_range(const char* ptr, size_t bytes);
@@ -44,6 +47,15 @@ class ExpandableSegment {
   size_t mapped_bytes_inside(const char* ptr, size_t bytes) const;
   // Unmaps them; returns the bytes released.
   size_t unmap_inside(const char* ptr, size_t bytes);
+
+  // Page indices, ascending: the unmapped pages touching a range, and the
+  // mapped pages wholly inside one (the two sides of a move).
+  std::vector<size_t> unmapped_pages_touching(const char* ptr, size_t bytes) const;
+  std::vector<size_t> mapped_pages_inside(const char* ptr, size_t bytes) const;
+  // Moves the memory of `count` mapped pages from `from` (from_page on) to
+  // unmapped pages of `to` (to_page on) through Backend::move_pages; reserved
+  // memory does not change. False when the backend cannot; nothing changed.
+  static bool move(ExpandableSegment& from, size_t from_page, ExpandableSegment& to, size_t to_page, size_t count);
 
  private:
   // Calls `run(first_page, page_count)` for each maximal run of pages in

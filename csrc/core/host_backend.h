@@ -47,6 +47,7 @@ class HostBackend final : public Backend {
   void release_address_range(void* base, size_t bytes) override;
   bool map_pages(void* ptr, size_t bytes) override;
   void unmap_pages(void* ptr, size_t bytes) override;
+  bool move_pages(void* from, void* to, size_t bytes) override;
 
   // Bytes currently handed out by device_alloc or mapped by map_pages.
   size_t device_bytes_in_use() const;

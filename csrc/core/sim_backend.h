@@ -50,6 +50,7 @@ class SimBackend final : public Backend {
   void release_address_range(void*, size_t) override {}
   bool map_pages(void* ptr, size_t bytes) override;
   void unmap_pages(void* ptr, size_t bytes) override;
+  bool move_pages(void*, void*, size_t) override { return true; }
 
   // Modelled time, so that the manager's timings (copies, stalls, intervals)
   // are the simulated ones; offset so it is never the zero time_point.

@@ -132,6 +132,7 @@ py::dict stats_dict(const AllocatorStats& stats) {
   result["num_evictor_calls"] = stats.num_evictor_calls;
   result["mapped_bytes_total"] = stats.mapped_bytes_total;
   result["unmapped_bytes_total"] = stats.unmapped_bytes_total;
+  result["moved_bytes_total"] = stats.moved_bytes_total;
   return result;
 }
 

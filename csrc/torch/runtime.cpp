@@ -105,6 +105,7 @@ py::dict memory_stats() {
   d["expandable_segments"] = runtime->device_allocator().expandable_segments();
   d["mapped_bytes_total"] = a.mapped_bytes_total;
   d["unmapped_bytes_total"] = a.unmapped_bytes_total;
+  d["moved_bytes_total"] = a.moved_bytes_total;
   d["host_tier_reserved_bytes"] = h.reserved_current;
   d["host_tier_peak_bytes"] = h.reserved_peak;
   d["host_budget_bytes"] = budget(h.budget);

@@ -80,6 +80,7 @@ _STAT_KEYS = (
     # Expandable segments: pages mapped / unmapped (re-mapping near the budget).
     "mapped_bytes_total",
     "unmapped_bytes_total",
+    "moved_bytes_total",
     "link_bytes_per_s",
 )
 

@@ -28,9 +28,11 @@ def memory_stats() -> Dict[str, float]:
     ``prefetch_misses``, ``stall_seconds``, plus residency by state
     (``resident_bytes``, ``host_bytes``, ``evictable_bytes``, ``in_use_bytes``)
     ``live_handles``, ``expandable_segments`` (whether device memory comes in
-    expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``) and their
-    ``mapped_bytes_total`` / ``unmapped_bytes_total`` since the last
-    :func:`reset_counters`."""
+    expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``), the bytes
+    obtained from and given back to the device (``mapped_bytes_total`` /
+    ``unmapped_bytes_total``: pages, or fixed segments) and the bytes of pages
+    moved to where a request needed them (``moved_bytes_total``) since the
+    last :func:`reset_counters`."""
     return dict(load_extension().memory_stats())
 
 

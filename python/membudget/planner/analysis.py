@@ -19,6 +19,18 @@ that would have died in forward now stays alive until then (unless it is
 recomputed too, in which case it is recomputed at the earlier of the two
 slots). Every such interaction is re-derived from the whole recompute set, so
 a choice's benefit changes as other choices are made.
+
+Note [Chains inside a recompute slot]: the ops recomputed at one slot run one
+after another (in forward order), and a link of a recomputed chain that
+nothing after the slot reads is freed as soon as the last op of the slot that
+reads it has run. So the memory of a recompute slot is not the sum of
+everything the slot makes but the highest of its sub-steps: at sub-step ``k``
+the outputs that outlive the slot made at steps ``<= k``, the outputs that do
+not and are still to be read (made at or before ``k``, last read at or after
+``k``), and op ``k``'s workspace. The interval arithmetic counts them all
+together; a per-slot *correction* (their sum minus that highest sub-step) is
+subtracted. Summing them was what made long recomputed chains (GPT-2's
+tanh-GELU, eight pointwise ops) over-predicted by about a MiB.
 """
 from __future__ import annotations
 
@@ -35,11 +47,13 @@ class Profile:
     """Memory (bytes) per slot for one recompute set, with its peak and where."""
 
     def __init__(self, memory: np.ndarray, recompute: FrozenSet[int], overhead_s: float,
-                 slots: Optional[Dict[int, int]] = None):
+                 slots: Optional[Dict[int, int]] = None, corrections: Optional[Dict[int, int]] = None):
         self.memory = memory
         self.recompute = recompute
         self.overhead_s = overhead_s
         self.slots = slots if slots is not None else {}
+        # Recompute slot -> bytes subtracted there (Note [Chains inside a recompute slot]).
+        self.corrections = corrections if corrections is not None else {}
 
     @property
     def peak(self) -> int:
@@ -61,8 +75,13 @@ class MemoryModel:
     profile without recomputation is computed once; a recompute set changes
     only the storages its ops produce or read, which are re-derived per call."""
 
-    def __init__(self, graph: PlanGraph):
+    def __init__(self, graph: PlanGraph, reserve_bytes: int = 0):
+        """``reserve_bytes``: memory that later graphs of the same step (after
+        a graph break) will use on top of what this one keeps through its
+        backward, counted at the slot between its forward and its backward
+        (Note [Budget shares across graph breaks] in :mod:`.partitioner`)."""
         self.graph = graph
+        self.reserve_bytes = int(reserve_bytes)
         n = len(graph.ops)
         self.num_slots = 2 * n + 1
         self.forward_end_slot = 2 * graph.num_forward  # first slot of backward
@@ -93,6 +112,8 @@ class MemoryModel:
         self._base = self._memory_of(self._intervals(self.start.keys(), frozenset(), {})
                                      + [(2 * op.index + 1, 2 * op.index + 1, op.workspace)
                                         for op in graph.ops if op.workspace])
+        if self.reserve_bytes and graph.num_forward < n:
+            self._base[self.forward_end_slot] += self.reserve_bytes
 
     # -- recompute slots -------------------------------------------------
     def own_slot(self, op_index: int) -> Optional[int]:
@@ -173,10 +194,13 @@ class MemoryModel:
             memory -= self._memory_of(self._intervals(touched, frozenset(), {}))
             memory += self._memory_of(self._intervals(touched, chosen, slots)
                                       + [(slots[o], slots[o], self.graph.ops[o].workspace) for o in chosen])
+            corrections = self._corrections(set(slots.values()), chosen, slots)
+            for slot, nbytes in corrections.items():
+                memory[slot] -= nbytes
         else:
-            slots = {}
+            slots, corrections = {}, {}
         overhead = sum(self.graph.ops[o].cost_s for o in chosen)
-        return Profile(memory + self.fixed, chosen, overhead, slots)
+        return Profile(memory + self.fixed, chosen, overhead, slots, corrections)
 
     def with_op(self, profile: Profile, op_index: int) -> Profile:
         """``profile`` with op ``op_index`` recomputed as well, derived
@@ -208,10 +232,103 @@ class MemoryModel:
             (profile.slots[o], profile.slots[o], ops[o].workspace) for o in changed if o in profile.recompute]
         new = self._intervals(touched, chosen, slots) + [(slots[o], slots[o], ops[o].workspace) for o in changed]
         memory = profile.memory - self._memory_of(old) + self._memory_of(new)
-        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots)
+        # Slots whose sub-steps may have changed: those the changed ops left
+        # or joined, and those of recomputed producers they read (an output
+        # read at a later slot now outlives its own).
+        slots_hit = {slots[o] for o in changed} | {profile.slots[o] for o in changed if o in profile.slots}
+        for o in changed:
+            for sid in ops[o].inputs:
+                producer = self.graph.storages[sid].producer
+                if producer in chosen:
+                    slots_hit.add(slots[producer])
+        corrections = dict(profile.corrections)
+        for slot in slots_hit:
+            memory[slot] += corrections.pop(slot, 0)
+        for slot, nbytes in self._corrections(slots_hit, chosen, slots).items():
+            memory[slot] -= nbytes
+            corrections[slot] = nbytes
+        return Profile(memory, chosen, profile.overhead_s + ops[op_index].cost_s, slots, corrections)
+
+    def _corrections(self, slots_hit: Iterable[int], chosen: FrozenSet[int],
+                     slots: Dict[int, int]) -> Dict[int, int]:
+        """Per recompute slot in ``slots_hit``: the bytes by which summing
+        everything the slot makes exceeds its highest sub-step (Note [Chains
+        inside a recompute slot]); slots with nothing to correct are left out."""
+        at: Dict[int, List[int]] = {}
+        wanted = set(slots_hit)
+        for o in chosen:
+            if slots[o] in wanted:
+                at.setdefault(slots[o], []).append(o)
+        out: Dict[int, int] = {}
+        for slot, members in at.items():
+            if len(members) < 2:
+                continue
+            nbytes = self._slot_excess(slot, sorted(members), chosen, slots)
+            if nbytes:
+                out[slot] = nbytes
+        return out
+
+    def _slot_excess(self, slot: int, members: List[int], chosen: FrozenSet[int], slots: Dict[int, int]) -> int:
+        ops = self.graph.ops
+        storages = self.graph.storages
+        step_of = {o: k for k, o in enumerate(members)}
+        delta = np.zeros(len(members) + 1, dtype=np.int64)  # difference array over sub-steps
+        total = 0
+        for k, o in enumerate(members):
+            for sid in ops[o].outputs:
+                nbytes = storages[sid].bytes
+                if not nbytes:
+                    continue
+                last_here = k
+                outlives = self.bw_first[sid] is not None  # read by backward ops after the slot
+                for reader in self.readers.get(sid, ()):
+                    if reader in chosen and reader != o:
+                        if slots[reader] > slot:
+                            outlives = True
+                        elif slots[reader] == slot:
+                            last_here = max(last_here, step_of[reader])
+                delta[k] += nbytes
+                if not outlives:
+                    delta[last_here + 1] -= nbytes
+                total += nbytes
+            ws = ops[o].workspace
+            if ws:
+                delta[k] += ws
+                delta[k + 1] -= ws
+                total += ws
+        highest = int(np.cumsum(delta[:-1]).max())
+        return total - highest
 
     def stashed_bytes(self, recompute: Iterable[int] = ()) -> int:
         """Bytes live at the end of forward, fixed bytes excluded: what the
-        step stashes for backward."""
+        step stashes for backward (and the forward's outputs)."""
         p = self.profile(recompute)
         return int(p.memory[max(self.forward_end_slot - 1, 0)]) - self.fixed if len(p.memory) else 0
+
+    def handed_on_bytes(self) -> int:
+        """Bytes of the forward outputs that this graph's backward does not
+        read: after a graph break the next graph takes them as inputs."""
+        return sum(s.bytes for s in self.graph.storages
+                   if s.producer is not None and s.producer < self.graph.num_forward
+                   and s.alive_until is not None and self.bw_first.get(s.id) is None
+                   and self.end.get(s.id, 0) < self.forward_end_slot)
+
+    def later_graphs_bytes(self) -> int:
+        """What the rest of the step (later graphs, after a graph break) is
+        expected to use on top of what this graph carries through them: the
+        gradients of this graph's outputs (tangents; later graphs make them)
+        and one activation as large as the outputs handed on (what the next
+        graph computes from them, e.g. a loss's log-softmax). A heuristic:
+        measured on GPT-2's loss graph, which uses 3 MiB over 1 MiB of logits
+        (logits gradient, log-softmax, its gradient) against 2 + 2 MiB
+        reserved (logits and key/value caches)."""
+        tangents = sum(s.bytes for s in self.graph.storages if s.name.startswith("tangents"))
+        return tangents + self.handed_on_bytes()
+
+    def carried_bytes(self, recompute: Iterable[int] = ()) -> int:
+        """What this graph keeps allocated while later graphs of the step run
+        (after a graph break): its fixed bytes and its stash, less the forward
+        outputs that its backward does not read (the next graph takes them as
+        inputs and counts them there) and less the gradients of its outputs
+        (tangents: later graphs make them)."""
+        return self.stashed_bytes(recompute) + self.fixed - self.handed_on_bytes()

@@ -110,9 +110,17 @@ def _is_random_target(target: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or is_random_op_name(str(target))
 
 
+#: Ops whose schema says "new tensor" but whose output shares its input's
+#: storage (``_unsafe_view``: reshape of a fresh temporary, as after ``mm``).
+_STORAGE_SHARING = ("_unsafe_view",)
+
+
 def _is_alias(target: Any) -> bool:
-    """Whether an op returns views of an input (``view``, ``split``, ``unbind``...)."""
+    """Whether an op returns views of an input (``view``, ``split``, ``unbind``...)
+    or otherwise adds no storage (``_unsafe_view``)."""
     if getattr(target, "is_view", False):
+        return True
+    if _base_name(str(target)) in _STORAGE_SHARING:
         return True
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.returns
@@ -149,14 +157,21 @@ def _forward_category(name: str, category: str) -> str:
     return category
 
 
-def workspace_bytes(category: str, bytes_read: int, bytes_written: int) -> int:
+def workspace_bytes(category: str, bytes_read: int, bytes_written: int, name: str = "") -> int:
     """Transient memory an op allocates inside its kernel, which no graph
     shows: oneDNN convolutions reorder their operands into blocked layouts
     (a copy of what they read and write), fused attention and batch-norm
     backward keep buffers of about their output's size. A coarse model from
-    this project's CPU measurements (docs/planner.md); zero for other ops."""
+    this project's CPU measurements (docs/planner.md); zero for other ops.
+    ``name`` (the op's) refines it: (log-)softmax and its backward, and
+    PyTorch's CPU flash attention (``*_for_cpu``), allocate nothing beyond
+    their outputs (measured per node on GPT-2's compiled graphs)."""
+    base = _base_name(name) if name else ""
     if category == "conv":
         return bytes_read + bytes_written
+    if category == "attention" and ("softmax" in base or base.endswith("_for_cpu")
+                                    or "_for_cpu_backward" in base):
+        return 0
     if category in ("attention", "batch_norm"):
         return bytes_written
     return 0
@@ -171,7 +186,7 @@ def _roofline(target: Any, args: Any, kwargs: Any, out: Any, device: costs.Devic
     read, written = costs.op_bytes(args, kwargs, out)
     dtype = next((t.dtype for t in costs.tensors_in(out)), None)
     return category, costs.roofline_seconds(flops, read + written, device, dtype, category), \
-        workspace_bytes(_forward_category(str(target), category), read, written)
+        workspace_bytes(_forward_category(str(target), category), read, written, str(target))
 
 
 def _forward_nodes(gm: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
@@ -261,12 +276,14 @@ def from_joint_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
             if sid is not None and index not in storages[sid].uses:
                 storages[sid].uses.append(index)
     num_forward = sum(1 for op in ops if op.phase == "forward")
-    # Gradients of the outputs arrive when backward starts, not before, and
-    # the autograd engine holds them until the whole backward graph returns.
+    # Gradients of the outputs arrive when backward starts, not before. The
+    # compiled backward takes them boxed (its argument list is cleared) and
+    # frees each at its last use: measured on GPT-2's first graph, whose
+    # 1 MiB logits gradient is gone after the lm_head matmuls
+    # (docs/planner.md, "How accurate is it").
     for sid in tangents:
         if num_forward < len(ops):
             storages[sid].producer = num_forward
-            storages[sid].live_to_end = True
     output = next(n for n in gm.graph.nodes if n.op == "output")
     flat_outputs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     for position, a in enumerate(flat_outputs):
@@ -334,7 +351,7 @@ def from_trace(trace: Any, device: Optional[costs.DeviceModel] = None) -> PlanGr
                     layer=str(getattr(top, "module", "") or (
                         f"block {top.block}" if getattr(top, "block", None) is not None else "")),
                     workspace=workspace_bytes(_forward_category(top.name, category), int(top.bytes_read),
-                                              int(top.bytes_written)))
+                                              int(top.bytes_written), top.name))
         op.inputs = sorted({storage_of(t) for t in top.inputs if t in tensors})
         if category != "view":
             op.outputs = [storage_of(t) for t in top.outputs if t in tensors

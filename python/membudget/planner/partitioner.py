@@ -13,12 +13,21 @@ Random ops (dropout masks) are never recomputed, so results do not depend on
 the plan.
 
 Note [Budget shares across graph breaks]: dynamo compiles one graph per
-region between breaks, in execution order on the first call. The activations
-an earlier graph stashes stay alive while later graphs run forward and
-backward, so graph ``k`` is planned against ``budget - carried``, where
-``carried`` is what graphs ``0..k-1`` keep resident (their modelled stash and
-inputs; inputs shared between graphs are counted twice, which errs towards
-lower memory). A percentage budget applies to each graph's own activation
+region between breaks, in execution order on the first call, so graph ``k``
+is planned before graph ``k+1`` exists. The activations an earlier graph
+stashes stay alive while later graphs run forward and backward, so graph
+``k`` is planned against ``budget - carried``, where ``carried`` is what
+graphs ``0..k-1`` keep resident through later graphs
+(:meth:`MemoryModel.carried_bytes`: their inputs and stash, less the
+forward outputs their backward does not read, which the next graph counts
+as its inputs; parameters shared between graphs are counted twice, which
+errs towards lower memory). And graph ``k`` itself reserves room for what
+comes after it: its model counts, between its forward and its backward, the
+bytes that later graphs are expected to use (:meth:`MemoryModel.later_graphs_bytes`:
+the gradients of its outputs, which later graphs hand back, plus one
+activation as large as the outputs it hands on), so that its stash leaves
+later graphs that much. The reserve is a heuristic, not a bound; a later graph that still does not fit warns and gets its lowest
+reachable peak. A percentage budget applies to each graph's own activation
 memory and needs no sharing.
 """
 from __future__ import annotations
@@ -166,7 +175,10 @@ class EchoPartitioner(_partitioner_base()):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices")
         graph = from_joint_graph(gm, num_fwd_outputs, costs.device_model(self.device_model))
-        model = MemoryModel(graph)
+        reserve = 0
+        if self.budget.bytes is not None:
+            reserve = MemoryModel(graph).later_graphs_bytes()
+        model = MemoryModel(graph, reserve_bytes=reserve)
         budget = int(self.budget.resolve(model, self.carried) * (1.0 - self.margin))
         selection = select(model, budget, self.method)
         keys = [graph.ops[o].key for o in selection.recompute]
@@ -178,9 +190,10 @@ class EchoPartitioner(_partitioner_base()):
                 f"({self.carried} bytes carried from earlier graphs); planned its lowest reachable peak, "
                 f"{selection.predicted_peak} bytes", RuntimeWarning, stacklevel=2)
         stash = model.stashed_bytes(selection.recompute)
-        self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash})
+        self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash,
+                           "reserve_bytes": reserve})
         if self.budget.bytes is not None:
-            self.carried += stash + model.fixed
+            self.carried += model.carried_bytes(selection.recompute)
         return fw, bw
 
     def uuid(self) -> Any:

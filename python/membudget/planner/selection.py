@@ -84,7 +84,7 @@ def _relevant(model: MemoryModel, candidates: Sequence[int], memory: np.ndarray,
     return useful
 
 
-def _feeders(model: MemoryModel, op_index: int, chosen: set, depth: int = 3) -> List[int]:
+def _feeders(model: MemoryModel, op_index: int, chosen: set, depth: int = 8) -> List[int]:
     """Ops that recomputing ``op_index`` would otherwise keep alive: producers
     of its inputs that autograd does not stash (read only in forward) and
     that may be recomputed, transitively up to ``depth``. Recomputing them
