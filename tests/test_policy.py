@@ -74,12 +74,37 @@ def test_msps_is_memory_saved_per_second(core):
 
 
 def test_delta_prefers_far_next_use_and_cheap_actions(core):
-    near = dict(bytes=MiB, next_use_distance=1, cost_seconds=0.001, copy_seconds=0.001)
-    far = dict(near, next_use_distance=50)
+    near = dict(bytes=MiB, seconds_until_next_use=0.001, cost_seconds=0.001, copy_seconds=0.001)
+    far = dict(near, seconds_until_next_use=0.05)
     assert core.filter_score("delta", far, 0) > core.filter_score("delta", near, 0)
     costly = dict(far, cost_seconds=0.01)
     assert core.filter_score("delta", far, 0) > core.filter_score("delta", costly, 0)
     assert core.filter_score("delta", dict(far, host_valid=True), 0) >= core.filter_score("delta", far, 0)
+
+
+def test_delta_is_cost_per_byte_second(core):
+    # Note [Delta score]: twice the bytes or twice the time until the next
+    # use is worth twice the cost; the unpack count alone no longer matters.
+    base = dict(bytes=MiB, seconds_until_next_use=0.01, cost_seconds=0.001)
+    score = core.filter_score("delta", base, 0)
+    assert core.filter_score("delta", dict(base, bytes=2 * MiB, cost_seconds=0.002), 0) == pytest.approx(score)
+    longer = dict(base, seconds_until_next_use=0.02, cost_seconds=0.002)
+    assert core.filter_score("delta", longer, 0) == pytest.approx(score, rel=1e-3)
+    assert core.filter_score("delta", dict(base, next_use_distance=500), 0) == pytest.approx(score)
+
+
+def test_delta_counts_the_evicted_neighbourhood(core):
+    # Dropping next to dropped lineage neighbours chains their replays onto
+    # its own (DTR's neighbourhood), so it goes later.
+    alone = dict(bytes=MiB, seconds_until_next_use=0.01, cost_seconds=0.001)
+    assert core.filter_score("delta", alone, 0) > core.filter_score("delta", dict(alone, neighbourhood_seconds=0.001), 0)
+
+
+def test_delta_without_a_measured_pace_ranks_bytes_per_cost(core):
+    # First iteration: no unpack pace measured, every horizon is 0.
+    big_cheap = dict(bytes=4 * MiB, cost_seconds=0.001)
+    small_costly = dict(bytes=MiB, cost_seconds=0.002)
+    assert core.filter_score("delta", big_cheap, 0) > core.filter_score("delta", small_costly, 0) > 0
 
 
 def test_neighbourhood_classes_merge_and_shrink(core):

@@ -108,6 +108,17 @@ def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     assert rows["offload-prefetch"].stall_s <= rows["swap-all"].stall_s
 
 
+def test_decision_log_names_each_eviction(gpt_trace, monkeypatch, capfd):
+    # MEMBUDGET_LOG=decisions: the simulated manager prints its decisions as
+    # the runtime's does (docs/simulator.md); without it, nothing.
+    rows = membudget.simulate(gpt_trace, ["50%"], ["delta"], "h200", baselines=(), min_tensor_bytes=16 * 1024)
+    assert rows[0].feasible and "membudget: evict" not in capfd.readouterr().err
+    monkeypatch.setenv("MEMBUDGET_LOG", "decisions")
+    membudget.simulate(gpt_trace, ["50%"], ["delta"], "h200", baselines=(), min_tensor_bytes=16 * 1024)
+    err = capfd.readouterr().err
+    assert "membudget: evict" in err and "policy=delta" in err and "action=" in err
+
+
 def test_cli_json_and_plot(gpt_trace, tmp_path, capsys):
     from membudget.cli import main
 

@@ -161,6 +161,7 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
     c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
+  c.seconds_until_next_use = seconds_until_next_use(c);
   const Decision chosen = decide_for(entry, c);
   c.cost_seconds = chosen.chosen_seconds();
   c.swap_chosen = chosen.action == EvictionAction::swap;
@@ -459,6 +460,11 @@ void ResidencyManager::maybe_start_background_swaps() {
     // Copying ahead is only worth it for entries the director would swap.
     if (!c.swap_chosen) continue;
     if (!ensure_host_slot(entry)) break;
+    if (config_.log_decisions) {
+      std::fprintf(stderr, "membudget: background swap-out %s id=%llu seq=%llu next_use=%lld swap_stall=%.3fms\n",
+                   format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->id(),
+                   (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance, c.cost_seconds * 1e3);
+    }
     entry->copy_event_ = copy_out(entry, nullptr);
     entry->state_ = Residency::swapping_out;
     in_flight_.push_back(entry);

@@ -332,6 +332,7 @@ void bind_policy(py::module_& core) {
     if (f.contains("host_valid")) c.host_valid = f["host_valid"].cast<bool>();
     if (f.contains("last_access")) c.last_access = f["last_access"].cast<uint64_t>();
     if (f.contains("next_use_distance")) c.next_use_distance = f["next_use_distance"].cast<int64_t>();
+    if (f.contains("seconds_until_next_use")) c.seconds_until_next_use = f["seconds_until_next_use"].cast<double>();
     if (f.contains("cost_seconds")) c.cost_seconds = f["cost_seconds"].cast<double>();
     if (f.contains("neighbourhood_seconds")) c.neighbourhood_seconds = f["neighbourhood_seconds"].cast<double>();
     if (f.contains("copy_seconds")) c.copy_seconds = f["copy_seconds"].cast<double>();

@@ -45,7 +45,8 @@ void bind_sim(py::module_& m) {
          std::vector<double> seconds, size_t prologue_length, size_t budget_bytes, size_t capacity_bytes,
          double link_bytes_per_s, bool use_manager, const std::string& policy, size_t prefetch_bytes,
          double high_watermark, int iterations, const std::string& actions, std::vector<double> replay_seconds,
-         std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments) {
+         std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments,
+         bool log_decisions) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
                               prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
                               std::move(replay_inputs)};
@@ -59,6 +60,7 @@ void bind_sim(py::module_& m) {
         config.manager.high_watermark = high_watermark;
         config.manager.actions = actions;
         config.manager.link_bytes_per_s = link_bytes_per_s;
+        config.manager.log_decisions = log_decisions;
         config.iterations = iterations;
         config.expandable_segments = expandable_segments;
         ReplayResult result;
@@ -74,6 +76,7 @@ void bind_sim(py::module_& m) {
       py::arg("high_watermark"), py::arg("iterations") = 2, py::arg("actions") = "swap",
       py::arg("replay_seconds") = std::vector<double>{}, py::arg("replay_input_offsets") = std::vector<int64_t>{},
       py::arg("replay_inputs") = std::vector<int64_t>{}, py::arg("expandable_segments") = true,
+      py::arg("log_decisions") = false,
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");

@@ -86,7 +86,17 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         program.tensor_bytes, program.codes, program.tensors, program.seconds, program.prologue_length,
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
-        high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs)
+        high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
+        log_decisions=_log_decisions())
+
+
+def _log_decisions() -> bool:
+    """``MEMBUDGET_LOG=decisions`` (or ``evictions``): the simulated manager
+    prints every eviction decision on stderr, as the runtime's does."""
+    from .config import Config
+
+    log = Config.from_env().log
+    return "decisions" in log or "evictions" in log
 
 
 def unbudgeted_peak(trace: Trace, device: Union[str, costs.DeviceModel] = "h200") -> int:

@@ -1,7 +1,6 @@
 #include "core/policy/filters.h"
 
 #include <algorithm>
-#include <cmath>
 #include <stdexcept>
 
 namespace membudget {
@@ -26,19 +25,22 @@ class LargestFilter final : public Filter {
 class DeltaFilter final : public Filter {
  public:
   const char* name() const override { return "delta"; }
-  double score(const EvictionCandidate& c, const FilterContext& ctx) const override {
-    // Without a prediction, backward unpacks in reverse pack order, so the
-    // earliest packed tensor is needed last.
-    double distance = c.next_use_distance >= 0
-                          ? static_cast<double>(c.next_use_distance)
-                          : static_cast<double>(ctx.packs_this_iteration - c.pack_seq);
-    // Bytes freed per second of the stall the director's action would cost
-    // (Capuchin's measure), weighted by the square root of the distance to
-    // the predicted next use. Simulated on h200 (bench/RESULTS.md), the
-    // square root beat a linear Belady weight and a size-only weight.
-    double stall = c.cost_seconds + 1e-9;
-    return std::sqrt(distance + 1.0) * static_cast<double>(c.bytes) / stall;
+  double score(const EvictionCandidate& c, const FilterContext&) const override {
+    // Cost-aware Belady: memory freed, in byte-seconds until the predicted
+    // next use, per second of what bringing it back costs. The time (not the
+    // count of unpacks) is what matters: during forward every candidate is
+    // away at least for the rest of forward, so the unpack order alone
+    // overstated the gap between near and far ones. The cost is the
+    // director's action plus, as in DTR, the replays of the evicted
+    // neighbourhood a drop would chain onto (Note [Delta score]).
+    const double horizon = c.seconds_until_next_use + kMinHorizonSeconds;
+    const double cost = c.cost_seconds + c.neighbourhood_seconds + kTinySeconds;
+    return static_cast<double>(c.bytes) * horizon / cost;
   }
+  // Keeps the score ordered by bytes per second of cost when no pace has
+  // been measured yet (first iteration: every horizon is 0).
+  static constexpr double kMinHorizonSeconds = 1e-6;
+  static constexpr double kTinySeconds = 1e-9;
 };
 
 // Smallest h = (c + neighbourhood) / (m * staleness) evicts first, so the

@@ -3,20 +3,27 @@
 //
 //   lru      least recently packed/unpacked first.
 //   largest  largest first (fewest evictions per byte).
-//   delta    (default) bytes freed per second of the stall the director's
-//            action would cost, weighted by the square root of the distance
-//            to the predicted next use (previous iteration's unpack order).
+//   delta    (default) byte-seconds freed per second of cost: bytes times
+//            the predicted time until the next use (previous iteration's
+//            unpack order at the measured pace), over the stall of the
+//            director's action plus the evicted-neighbourhood cost (as dtr).
 //   dtr      Dynamic Tensor Rematerialization (Kirisame et al. 2021): evict
 //            the smallest h = (c + neighbourhood cost) / (m * staleness), where
 //            c is its cost to bring back and the neighbourhood cost sums the
 //            equivalence classes (union-find) of already evicted neighbours.
 //   msps     Capuchin's memory saved per second: m / cost to bring back.
-//   lru      least recently packed/unpacked first.
-//   largest  largest first (fewest evictions per byte).
 //
 // "Cost to bring back" (EvictionCandidate::cost_seconds) is the director's
 // choice for the candidate: its swap stall, or its replay time including
 // dropped ancestors, whichever the director would pick.
+//
+// Note [Delta score]: evicting m bytes until their next use, t seconds
+// away, frees m*t byte-seconds, for the cost c of bringing them back (the
+// director's choice: swap stall or replay incl. dropped ancestors) plus what
+// dropping it adds to the replays of its dropped lineage neighbours (DTR's
+// neighbourhood). Smallest cost per byte-second goes first (Belady weighted
+// by cost). Measured on h200 in the simulator (bench/RESULTS.md, run 3)
+// against the square root of the unpack distance it replaced.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -37,6 +44,9 @@ struct EvictionCandidate {
   // Unpacks until its predicted next use; -1 when no prediction exists yet
   // (first iteration): then backward's reverse order is assumed.
   int64_t next_use_distance = -1;
+  // Predicted seconds until that use: the unpacks to it at the measured pace
+  // of backward, plus what remains of forward (0 while nothing is measured).
+  double seconds_until_next_use = 0.0;
   bool recomputable = false;
   double recompute_seconds = 0.0;     // replay incl. dropped ancestors
   double neighbourhood_seconds = 0.0; // dtr: evicted-neighbourhood cost
