@@ -27,6 +27,24 @@ recorded). While the mode is installed, ``torch.autograd.backward`` and
 the mode off the dispatch stack for their duration when it is on top; the
 engine captures the thread's state at that point, so backward ops never see
 it. ``uninstall()`` restores the originals.
+
+Note [Lineage mode parked between steps]: after ``torch.autograd.backward``
+(``loss.backward()``) comes the optimizer step, ``zero_grad`` and the next
+batch: no op there is worth recording (the optimizer runs under ``no_grad``),
+yet each would pay the Python mode's cost (about 10-20 us per op here: more
+than the whole forward's recording on a model with many parameters). So the
+backward wrapper leaves the mode *parked* (off the dispatch stack) when it
+returns, and a global ``nn.Module`` forward pre-hook, registered only while
+parked, puts it back at the next module call with grad enabled on the install
+thread. Ops between ``backward()`` and the next module call are therefore not
+recorded: their outputs become held inputs, like the batch. Code whose forward
+calls no ``nn.Module`` would then never re-arm: when a ``backward()`` finds the
+mode still parked (a whole forward went unrecorded), parking is switched off
+for the rest of the install and the mode is entered again at once.
+``torch.autograd.grad`` (also used inside forward, e.g. for gradient
+penalties) only pops the mode for its duration. The mode is re-entered only
+when the dispatch stack is as deep as when it was parked, so it never lands
+above a mode entered later (whose ``__exit__`` would pop ours).
 """
 from __future__ import annotations
 
@@ -46,6 +64,10 @@ _hooks_thread: Optional[int] = None  # ident of the thread our hooks were pushed
 _lineage = None                      # membudget.lineage.Lineage while recording
 _lineage_mode = None                 # the entered LineageMode
 _autograd_originals = None           # (backward, grad) while wrapped
+# Note [Lineage mode parked between steps]
+_parked_depth: Optional[int] = None  # dispatch stack depth the mode left, while parked
+_rearm_hook = None                   # the module pre-hook's handle, while parked
+_parking_allowed = True              # off once a forward ran without any module call
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -190,16 +212,29 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _wrap_autograd_entry_points()
 
 
-def _without_lineage_mode(function):
+def _mode_on_top(mode) -> bool:
+    depth = torch._C._len_torch_dispatch_stack()
+    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+
+
+def _without_lineage_mode(function, park: bool):
     """``function`` run with the lineage mode popped when it tops this
-    thread's dispatch stack (Note [Backward without the lineage mode])."""
+    thread's dispatch stack (Note [Backward without the lineage mode]); with
+    ``park``, left popped afterwards (Note [Lineage mode parked between
+    steps])."""
     from torch.utils._python_dispatch import _pop_mode_temporarily
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         mode = _lineage_mode
-        depth = torch._C._len_torch_dispatch_stack()
-        if mode is None or depth == 0 or torch._C._get_dispatch_stack_at(depth - 1) is not mode:
+        if mode is None or threading.get_ident() != _hooks_thread:
+            return function(*args, **kwargs)
+        if park and _parked_depth is not None and not _in_backward():
+            _stop_parking()  # a whole forward ran without re-arming: no modules
+        if not _mode_on_top(mode):
+            return function(*args, **kwargs)
+        if park and _parking_allowed and not _in_backward():
+            _park()
             return function(*args, **kwargs)
         with _pop_mode_temporarily():
             return function(*args, **kwargs)
@@ -207,12 +242,49 @@ def _without_lineage_mode(function):
     return wrapper
 
 
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _park() -> None:
+    """Takes the mode off the stack until the next module call."""
+    global _parked_depth, _rearm_hook
+    _lineage_mode.__exit__(None, None, None)
+    _parked_depth = torch._C._len_torch_dispatch_stack()
+    _rearm_hook = torch.nn.modules.module.register_module_forward_pre_hook(_rearm)
+
+
+def _unpark() -> None:
+    global _parked_depth, _rearm_hook
+    if _rearm_hook is not None:
+        _rearm_hook.remove()
+    _rearm_hook = None
+    _parked_depth = None
+
+
+def _rearm(module, args) -> None:
+    """Module forward pre-hook while parked: a forward is starting."""
+    if (_parked_depth is None or threading.get_ident() != _hooks_thread or not torch.is_grad_enabled()
+            or _in_backward() or torch._C._len_torch_dispatch_stack() != _parked_depth):
+        return
+    _unpark()
+    _lineage_mode.__enter__()
+
+
+def _stop_parking() -> None:
+    global _parking_allowed
+    _parking_allowed = False
+    if torch._C._len_torch_dispatch_stack() == _parked_depth:
+        _unpark()
+        _lineage_mode.__enter__()
+
+
 def _wrap_autograd_entry_points() -> None:
     global _autograd_originals
     if _autograd_originals is None:
         _autograd_originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = _without_lineage_mode(_autograd_originals[0])
-        torch.autograd.grad = _without_lineage_mode(_autograd_originals[1])
+        torch.autograd.backward = _without_lineage_mode(_autograd_originals[0], park=True)
+        torch.autograd.grad = _without_lineage_mode(_autograd_originals[1], park=False)
 
 
 def _restore_autograd_entry_points() -> None:
@@ -223,12 +295,16 @@ def _restore_autograd_entry_points() -> None:
 
 
 def _pop_hooks() -> None:
-    global _lineage, _lineage_mode
+    global _lineage, _lineage_mode, _parking_allowed
     if _lineage_mode is not None:
         _restore_autograd_entry_points()
-        _lineage_mode.__exit__(None, None, None)
+        if _parked_depth is not None:
+            _unpark()  # already off the stack
+        else:
+            _lineage_mode.__exit__(None, None, None)
         _lineage_mode = None
         _lineage = None
+        _parking_allowed = True
     torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
