@@ -78,10 +78,14 @@ class StorageLineage:
 class ExternalLineage:
     """A tensor no recorded op produced (a parameter, the batch): held, not rebuilt."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "key", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+        # Its storage address when first read in this forward (externals are
+        # renewed every forward): what replay.rescue_dependents_of matches
+        # writes against, computed once instead of at every pack that reads it.
+        self.key = storage_address(tensor)
 
 
 class TensorRef(tuple):
@@ -367,20 +371,33 @@ class Lineage:
         if type(lineage) is not StorageLineage or lineage.entry_id is not None:
             return
         base = lineage.base()
-        if base is not None and storage_address(base) != storage_address(tensor):
+        if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
             return  # set_() or similar moved the tensor to another storage
         if tensor._version != lineage.versions[-1]:
             return  # written by something lineage did not see
-        from .replay import closure
-
+        # A function-level import costs microseconds per call (the package
+        # relative import runs importlib's Python code): bound once.
+        closure = _replay_closure or _bind_replay_closure()
         ok, seconds, deps, _ = closure(lineage, len(lineage.mutations), top=True)
-        lineage.entry_id = handle.entry_id
-        self.by_entry[handle.entry_id] = lineage
-        self.native.set_recompute_info(handle.entry_id, ok, seconds, sorted(deps))
+        entry_id = handle.entry_id
+        lineage.entry_id = entry_id
+        self.by_entry[entry_id] = lineage
+        self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps))
         if ok and self.plan is not None:
             producer = lineage.producer
             if self.plan.drops(producer.index, producer.name, lineage.index):
-                self.native.plan_drop(handle.entry_id)
+                self.native.plan_drop(entry_id)
+
+
+_replay_closure = None  # membudget.replay.closure, bound at the first pack (replay imports this module)
+
+
+def _bind_replay_closure():
+    global _replay_closure
+    from .replay import closure
+
+    _replay_closure = closure
+    return closure
 
 
 def storage_address(tensor: torch.Tensor) -> int:
