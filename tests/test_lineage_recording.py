@@ -211,3 +211,23 @@ def test_schema_positions_and_full_scan_replay_identically():
     reference = _train(3, evict=True, scan_every_argument=True, budget=ROOMY_BUDGET, actions="recompute")
     _assert_same_training(fast, reference)
     assert fast[4] > 0 and reference[4] == fast[4]
+
+
+def test_op_observer_probe_sees_top_level_ops_only():
+    # The C++ probe (Note [Op observer probe]) counts the ops user code calls
+    # with grad on: linear once (not its t/addmm), nothing of backward.
+    native = load_extension()
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    native.observe_ops_start()
+    try:
+        loss = torch.nn.functional.linear(x, w).tanh().sum()
+        with torch.no_grad():
+            torch.tanh(x)
+    finally:
+        counts = native.observe_ops_stop()
+    assert counts["ops"] == 3                      # linear, tanh, sum
+    assert counts["tensors"] == 3 + 2 + 2          # inputs and outputs of each
+    loss.backward()
+    with pytest.raises(RuntimeError, match="not on"):
+        native.observe_ops_stop()

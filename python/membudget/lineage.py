@@ -28,9 +28,21 @@ Unrecomputable (they can still be swapped): outputs of ops outside the
 ``aten``/``prims`` namespaces or with side effects, ops whose mutated
 arguments are not replayable, and anything downstream of a tensor mutated in
 place that lineage did not see. Backward, replays and ``no_grad`` work are not
-recorded. A C++ fast path would replace :meth:`LineageMode.__torch_dispatch__`
-and keep these data structures; the Python one costs a few microseconds per op
-(``bench/bench_lineage.py``).
+recorded, and from ``backward()`` to the next module call the mode is not even
+on the stack (Note [Lineage mode parked between steps] in ``_runtime.py``).
+
+Note [Recording fast path]: what the handler does per op is kept to what the
+op's schema says matters, computed once per overload (:class:`_FuncInfo`,
+keyed by ``id``: ``OpOverload.__hash__`` is Python): only the argument
+positions typed as tensors are looked at, each becomes a :class:`TensorRef`
+built by one ``tuple.__new__`` call, and the op's C++ callable is called
+directly. Scanning every argument (``tensor_args = None``, kept for ops
+outside aten/prims) is the reference it is tested against
+(tests/test_lineage_recording.py). The Python ``TorchDispatchMode`` itself
+costs more per op than the 10 us target (``bench/bench_lineage.py``); a C++
+recorder would replace :func:`_lineage_dispatch` and keep these data
+structures (Note [Op observer probe] in csrc/torch/op_observer.cpp measures
+the floor of one).
 """
 from __future__ import annotations
 
