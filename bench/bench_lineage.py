@@ -27,7 +27,7 @@ On a shared machine other processes only ever add time, so the same
 difference of the *fastest* steps ("min") is given too.
 Target (issue 3): at most 10 µs per op.
 
-    python bench/bench_lineage.py [--quick] [--rounds 7] [--steps 6] [--models gpt2,cnn,lstm]
+    python bench/bench_lineage.py [--quick] [--rounds 12] [--steps 5] [--models gpt2,cnn,lstm]
                                   [--markdown bench/RESULTS.md]
 """
 from __future__ import annotations
@@ -195,6 +195,9 @@ def bench_model(name: str, args) -> Dict[str, Any]:
         "observer_us_per_op": (medians["cpp-observer"] - medians["swap"]) / ops * 1e6 if observer else nan,
         "observer_min_us_per_op": (fastest["cpp-observer"] - fastest["swap"]) / ops * 1e6 if observer else nan,
         "forward_us_per_op": (forward_medians["both"] - forward_medians["swap"]) / ops * 1e6,
+        "forward_min_us_per_op": (min(forward_times["both"]) - min(forward_times["swap"])) / ops * 1e6,
+        "observer_forward_min_us_per_op": ((min(forward_times["cpp-observer"]) - min(forward_times["swap"])) / ops * 1e6
+                                           if observer else nan),
         "dispatched": dispatched,
         "us_per_dispatched": (medians["both"] - medians["swap"]) / dispatched * 1e6,
         "noop_us_per_dispatched": (medians["noop-mode"] - medians["swap"]) / dispatched * 1e6,
@@ -211,15 +214,17 @@ def bench_model(name: str, args) -> Dict[str, Any]:
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     """The results table, as text columns or as a markdown table."""
     header = ["model", "recorded ops/step", "dispatched ops/step", "swap ms", "noop-mode ms", "both ms",
-              "µs/recorded op", "(per round)", "(min)", "fwd-only µs/recorded op", "µs/dispatched op",
+              "µs/recorded op", "(per round)", "(min)", "fwd-only µs/recorded op", "(min)", "µs/dispatched op",
               "noop-mode µs/dispatched op", "C++ observer ops/step", "C++ observer µs/recorded op", "(min)",
+              "C++ observer fwd-only (min)",
               "step ratio both/swap", f"≤ {TARGET_US_PER_OP:.0f} µs/op"]
     body = [[r["model"], f"{r['ops']:.0f}", f"{r['dispatched']:.0f}", f"{r['swap_ms']:.1f}", f"{r['noop_ms']:.1f}",
              f"{r['both_ms']:.1f}", f"{r['us_per_op']:.1f}",
              f"{min(r['per_round_us']):.0f}..{max(r['per_round_us']):.0f}", f"{r['min_us_per_op']:.1f}",
-             f"{r['forward_us_per_op']:.1f}",
+             f"{r['forward_us_per_op']:.1f}", f"{r['forward_min_us_per_op']:.1f}",
              f"{r['us_per_dispatched']:.1f}", f"{r['noop_us_per_dispatched']:.1f}", f"{r['observed']:.0f}",
-             f"{r['observer_us_per_op']:.1f}", f"{r['observer_min_us_per_op']:.1f}", f"{r['ratio']:.2f}x",
+             f"{r['observer_us_per_op']:.1f}", f"{r['observer_min_us_per_op']:.1f}",
+             f"{r['observer_forward_min_us_per_op']:.1f}", f"{r['ratio']:.2f}x",
              "yes" if r["us_per_op"] <= TARGET_US_PER_OP else "NO"] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -235,16 +240,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 7; 2 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 12; 2 with --quick)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per configuration and round, the first left out (default 6; 3 with --quick)")
+                        help="steps per configuration and round, the first left out (default 5; 3 with --quick)")
     parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated subset of "
                         + ",".join(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's)")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 7)
-    args.steps = args.steps or (3 if args.quick else 6)
+    args.rounds = args.rounds or (2 if args.quick else 12)
+    args.steps = args.steps or (3 if args.quick else 5)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is left out)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]

@@ -202,7 +202,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     def recompute(entry_id):
         return rebuild_entry(lineage, entry_id)
 
-    for function in (pack, unpack, recompute):
+    for function in (pack, unpack, recompute, _rearm):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
