@@ -44,7 +44,10 @@ for the rest of the install and the mode is entered again at once.
 ``torch.autograd.grad`` (also used inside forward, e.g. for gradient
 penalties) only pops the mode for its duration. The mode is re-entered only
 when the dispatch stack is as deep as when it was parked, so it never lands
-above a mode entered later (whose ``__exit__`` would pop ours).
+above a mode entered later (whose ``__exit__`` would pop ours). While the
+hook is registered, calling a ``torch.compile``d module makes torch warn once
+that global module hooks fire an extra time for the ``OptimizedModule``
+(harmless here: the hook re-arms once and removes itself).
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ positions typed as tensors are looked at, each becomes a :class:`TensorRef`
 built by one ``tuple.__new__`` call, and the op's C++ callable is called
 directly. Scanning every argument (``tensor_args = None``, kept for ops
 outside aten/prims) is the reference it is tested against
-(tests/test_lineage_recording.py). The Python ``TorchDispatchMode`` itself
+(tests/test_lineage_recording.py). Views build no node at all: their outputs
+share their sources' lineages, and a view's node would never be replayed. The Python ``TorchDispatchMode`` itself
 costs more per op than the 10 us target (``bench/bench_lineage.py``); a C++
 recorder would replace :func:`_lineage_dispatch` and keep these data
 structures (Note [Op observer probe] in csrc/torch/op_observer.cpp measures
@@ -155,7 +156,7 @@ class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
     __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple",
-                 "func", "op", "tensor_args")
+                 "func", "op", "tensor_args", "view")
 
     def __init__(self, func):
         schema = func._schema
@@ -194,6 +195,11 @@ class _FuncInfo:
         # The common case, handled without loops: one fresh tensor out, no writes.
         self.simple = (not self.writes and len(schema.returns) == 1 and self.aliases[0] is None
                        and str(schema.returns[0].type) == "Tensor")
+        # Every output aliases an input and nothing is written: the outputs
+        # share their sources' lineages and no node of this op is ever
+        # replayed, so none is built (Note [Recording fast path]).
+        self.view = (not self.writes and bool(self.aliases) and all(a is not None for a in self.aliases)
+                     and namespace in _REPLAYABLE_NAMESPACES)
         self.func = func     # keeps the overload (and so its id, the key in _infos) alive
         self.op = func._op   # the C++ callable, without OpOverload.__call__'s Python frame
         # Which positional arguments can hold tensors, from the schema:
@@ -471,6 +477,14 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
         if kind is not _PLAIN_TENSOR:
             return info.op(*args, **kwargs)
     lineage = self.lineage
+    if info.view:
+        if lineage.in_backward:
+            lineage._begin_forward()
+        lineage.op_index += 1  # numbered all the same: plans count every forward op
+        lineage.ops_recorded += 1
+        out = info.op(*args, **kwargs)
+        lineage.after(None, info, args, kwargs, out)
+        return out
     node = lineage.before(func, info, args, kwargs)
     start = _clock()
     out = info.op(*args, **kwargs)
