@@ -16,7 +16,10 @@ by calling ``membudget.install()`` again (which re-pushes the hooks):
   metadata; Note [Op observer probe] in csrc/torch/op_observer.cpp): the
   floor of a C++ recorder, which the Python mode's floor is compared with;
 * ``both``: lineage recording (and the pack-time bookkeeping of
-  :meth:`membudget.lineage.Lineage.on_pack`).
+  :meth:`membudget.lineage.Lineage.on_pack`);
+* ``both-unparked``: ``both`` with the mode left on the stack after
+  ``backward()`` (Note [Lineage mode parked between steps] switched off), as
+  before parking existed: the optimizer step pays the mode's floor.
 
 The configurations alternate ``--rounds`` times (swap, noop, observer, both, swap, ...);
 each round runs ``--steps`` training steps, of which the first is left out
@@ -29,6 +32,11 @@ Target (issue 3): at most 10 µs per op.
 
     python bench/bench_lineage.py [--quick] [--rounds 12] [--steps 5] [--models gpt2,cnn,lstm]
                                   [--markdown bench/RESULTS.md]
+
+Before/after in one process: ``--compare-lineage OTHER/python/membudget/lineage.py``
+loads another checkout's recorder beside this one's and times the forward
+pass of each model under each recorder's ``LineageMode`` (no pack hook, no
+optimizer: the recording alone), interleaved, against no mode at all.
 """
 from __future__ import annotations
 
@@ -62,15 +70,18 @@ from bench_swap import gpt2, lstm, machine_line  # noqa: E402
 TARGET_US_PER_OP = 10.0
 # Far above what these models use: recording is on, nothing is evicted.
 BUDGET = "64GiB"
-CONFIGURATIONS = ("swap", "noop-mode", "cpp-observer", "both")
+CONFIGURATIONS = ("swap", "noop-mode", "cpp-observer", "both", "both-unparked")
 
 
 def configurations() -> tuple:
     """CONFIGURATIONS, less the C++ observer where the extension predates it
     (so that the bench also runs at older commits, for before/after tables)."""
-    if hasattr(load_extension(), "observe_ops_start"):
-        return CONFIGURATIONS
-    return tuple(c for c in CONFIGURATIONS if c != "cpp-observer")
+    missing = set()
+    if not hasattr(load_extension(), "observe_ops_start"):
+        missing.add("cpp-observer")
+    if not hasattr(_runtime, "_parking_allowed"):
+        missing.add("both-unparked")
+    return tuple(c for c in CONFIGURATIONS if c not in missing)
 
 # Sizes: those of tests/models.py (a step in tens of milliseconds on one thread).
 WORKLOADS = {
@@ -116,8 +127,10 @@ class Switched:
 def switch_to(configuration: str) -> Switched:
     """Reinstall membudget (roomy budget) for ``configuration`` and turn on
     its extra (no-op mode, C++ observer)."""
-    actions = "both" if configuration == "both" else "swap"
+    actions = "both" if configuration.startswith("both") else "swap"
     membudget.install(budget=BUDGET, actions=actions, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    if configuration == "both-unparked":
+        _runtime._parking_allowed = False  # reset by the next install()
     return Switched(configuration)
 
 
@@ -176,6 +189,7 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     forward_medians = {c: statistics.median(forward_times[c]) for c in chosen}
     nan = float("nan")
     observer = "cpp-observer" in chosen
+    unparked = "both-unparked" in chosen
     ops = statistics.median(ops_per_step)
     dispatched = statistics.median(dispatched_per_step)
     # Per-round differences (each round's configurations ran back to back):
@@ -202,6 +216,8 @@ def bench_model(name: str, args) -> Dict[str, Any]:
         "us_per_dispatched": (medians["both"] - medians["swap"]) / dispatched * 1e6,
         "noop_us_per_dispatched": (medians["noop-mode"] - medians["swap"]) / dispatched * 1e6,
         "ratio": medians["both"] / medians["swap"],
+        "unparked_us_per_op": (medians["both-unparked"] - medians["swap"]) / ops * 1e6 if unparked else nan,
+        "unparked_min_us_per_op": (fastest["both-unparked"] - fastest["swap"]) / ops * 1e6 if unparked else nan,
         "per_round_us": per_round_us,
     }
     print(f"[{name}] {ops:.0f} ops/step, swap {row['swap_ms']:.1f} ms, both {row['both_ms']:.1f} ms, "
@@ -211,12 +227,69 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     return row
 
 
+def compare_lineage(name: str, other_path: str, args) -> Dict[str, Any]:
+    """Forward-only recording cost of ``other_path``'s lineage recorder
+    against this checkout's, in one process (see the module docstring)."""
+    import importlib.util
+
+    from membudget import lineage as this
+
+    spec = importlib.util.spec_from_file_location("membudget._lineage_compared", other_path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
+    membudget.install(budget=BUDGET, actions="swap", min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    native = load_extension()
+    torch.manual_seed(0)
+    model = workload.build()
+    model.train()
+    data = workload.batch(torch.device("cpu"))
+    recorders = {"other": other.Lineage(native), "this": this.Lineage(native)}
+    modes = {"other": other.LineageMode(recorders["other"]), "this": this.LineageMode(recorders["this"])}
+    times: Dict[str, List[float]] = {"none": [], "other": [], "this": []}
+    ops: Dict[str, int] = {}
+    for _ in range(args.rounds * 2):
+        for key in times:
+            for _ in range(args.steps):
+                mode = modes.get(key)
+                if mode is not None:
+                    recorders[key].note_unpack()
+                    before = recorders[key].ops_recorded
+                    mode.__enter__()
+                start = time.perf_counter()
+                loss = workload.loss(model, data)
+                seconds = time.perf_counter() - start
+                if mode is not None:
+                    mode.__exit__(None, None, None)
+                    ops[key] = recorders[key].ops_recorded - before
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                times[key].append(seconds)
+    row = {"model": name, "ops": ops["this"], "other_ops": ops["other"]}
+    for key in ("other", "this"):
+        row[f"{key}_min"] = (min(times[key]) - min(times["none"])) / ops[key] * 1e6
+        row[f"{key}_median"] = (statistics.median(times[key]) - statistics.median(times["none"])) / ops[key] * 1e6
+    print(f"[{name}] forward recording, µs/op (min / median): other {row['other_min']:.1f} / "
+          f"{row['other_median']:.1f}, this {row['this_min']:.1f} / {row['this_median']:.1f}", flush=True)
+    return row
+
+
+def format_comparison(rows: List[Dict[str, Any]], other_path: str) -> str:
+    """The --compare-lineage table (markdown)."""
+    lines = [f"| model | ops/forward (this / other) | other µs/op (min) | this µs/op (min) | other (median) "
+             f"| this (median) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['ops']} / {r['other_ops']} | {r['other_min']:.1f} | {r['this_min']:.1f} "
+              f"| {r['other_median']:.1f} | {r['this_median']:.1f} |" for r in rows]
+    return f"other = {other_path}\n\n" + "\n".join(lines)
+
+
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     """The results table, as text columns or as a markdown table."""
     header = ["model", "recorded ops/step", "dispatched ops/step", "swap ms", "noop-mode ms", "both ms",
               "µs/recorded op", "(per round)", "(min)", "fwd-only µs/recorded op", "(min)", "µs/dispatched op",
               "noop-mode µs/dispatched op", "C++ observer ops/step", "C++ observer µs/recorded op", "(min)",
-              "C++ observer fwd-only (min)",
+              "C++ observer fwd-only (min)", "both-unparked µs/recorded op", "(min)",
               "step ratio both/swap", f"≤ {TARGET_US_PER_OP:.0f} µs/op"]
     body = [[r["model"], f"{r['ops']:.0f}", f"{r['dispatched']:.0f}", f"{r['swap_ms']:.1f}", f"{r['noop_ms']:.1f}",
              f"{r['both_ms']:.1f}", f"{r['us_per_op']:.1f}",
@@ -224,7 +297,8 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
              f"{r['forward_us_per_op']:.1f}", f"{r['forward_min_us_per_op']:.1f}",
              f"{r['us_per_dispatched']:.1f}", f"{r['noop_us_per_dispatched']:.1f}", f"{r['observed']:.0f}",
              f"{r['observer_us_per_op']:.1f}", f"{r['observer_min_us_per_op']:.1f}",
-             f"{r['observer_forward_min_us_per_op']:.1f}", f"{r['ratio']:.2f}x",
+             f"{r['observer_forward_min_us_per_op']:.1f}", f"{r['unparked_us_per_op']:.1f}",
+             f"{r['unparked_min_us_per_op']:.1f}", f"{r['ratio']:.2f}x",
              "yes" if r["us_per_op"] <= TARGET_US_PER_OP else "NO"] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -247,6 +321,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         + ",".join(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's)")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
+    parser.add_argument("--compare-lineage", metavar="LINEAGE_PY",
+                        help="time another checkout's lineage.py against this one's, forward only (see above)")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 12)
     args.steps = args.steps or (3 if args.quick else 5)
@@ -260,6 +336,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
+    if args.compare_lineage:
+        rows = [compare_lineage(model, args.compare_lineage, args) for model in models]
+        command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_lineage.py", *argv])
+        table = format_comparison(rows, args.compare_lineage)
+        setup = (f"{machine_line('cpu', args.threads)}; {args.rounds * 2} rounds of none / other / this, "
+                 f"{args.steps} forwards each; {time.perf_counter() - started:.0f} s in all")
+        print(f"\n{command}\n{setup}\n{table}")
+        if args.markdown:
+            with open(args.markdown, "a") as out:
+                out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{table}\n")
+        return 0
     rows = [bench_model(model, args) for model in models]
     elapsed = time.perf_counter() - started
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_lineage.py", *argv])
