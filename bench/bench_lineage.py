@@ -17,9 +17,9 @@ by calling ``membudget.install()`` again (which re-pushes the hooks):
   floor of a C++ recorder, which the Python mode's floor is compared with;
 * ``both``: lineage recording (and the pack-time bookkeeping of
   :meth:`membudget.lineage.Lineage.on_pack`);
-* ``both-unparked``: ``both`` with the mode left on the stack after
-  ``backward()`` (Note [Lineage mode parked between steps] switched off), as
-  before parking existed: the optimizer step pays the mode's floor.
+* ``both-unparked``: ``both`` with the mode left on the stack during
+  ``optimizer.step()`` (Note [Lineage mode parked during optimizer steps]
+  switched off), as before parking existed: the step pays the mode's floor.
 
 The configurations alternate ``--rounds`` times (swap, noop, observer, both, swap, ...);
 each round runs ``--steps`` training steps, of which the first is left out

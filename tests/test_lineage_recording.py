@@ -1,8 +1,8 @@
 """Lineage recording's fast paths against their references: the schema-typed
 argument positions record the same nodes as scanning every argument (and
-replay to the same bytes), and the mode is parked from ``backward()`` to the
-next module call without losing any forward op (Note [Lineage mode parked
-between steps] in membudget/_runtime.py)."""
+replay to the same bytes), and the mode is off the stack during optimizer
+steps without losing any recorded op (Note [Lineage mode parked during
+optimizer steps] in membudget/_runtime.py)."""
 import pytest
 import torch
 from torch import nn
@@ -119,9 +119,14 @@ def test_tensor_ref_fields():
     assert "version=2" in repr(ref)
 
 
-def _train(steps: int, evict: bool, functional: bool = False, scan_every_argument: bool = False, **install):
-    """Adam steps; returns (losses, parameters, forward ops recorded per step, mode on the stack after
-    each backward, recompute count)."""
+def _mode_on_top() -> bool:
+    return _runtime._lineage_mode is not None and _runtime._mode_on_top(_runtime._lineage_mode)
+
+
+def _train(steps: int, evict: bool, functional: bool = False, scan_every_argument: bool = False,
+           failing_step: bool = False, **install):
+    """Adam steps; returns (losses, parameters, ops recorded per step, whether the mode was on the
+    stack (during each optimizer step, after it), recompute count)."""
     if install:
         membudget.install(min_tensor_bytes=0, **install)
         membudget.reset_counters()
@@ -139,12 +144,14 @@ def _train(steps: int, evict: bool, functional: bool = False, scan_every_argumen
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        during = []
+        optimizer.register_step_pre_hook(lambda *_: during.append(_mode_on_top()))  # runs after the global hooks
         weights = [p for p in model.parameters()]
         losses, recorded, on_stack = [], [], []
         for step in range(steps):
+            before = _runtime._lineage.ops_recorded if _runtime._lineage else 0
             torch.manual_seed(100 + step)
             x = torch.randn(16, 64)
-            before = _runtime._lineage.ops_recorded if _runtime._lineage else 0
             if functional:  # no nn.Module call: nothing to re-arm the mode
                 h = torch.tanh(x @ weights[0].t() + weights[1])
                 loss = (h @ weights[-2].t()).square().mean()
@@ -155,8 +162,19 @@ def _train(steps: int, evict: bool, functional: bool = False, scan_every_argumen
                 load_extension().evict_all()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            on_stack.append(_runtime._lineage_mode is not None and _runtime._mode_on_top(_runtime._lineage_mode))
+            if failing_step and step == 1:
+                def fail(*_):
+                    raise RuntimeError("step failed")
+
+                handle = optimizer.register_step_pre_hook(fail)
+                with pytest.raises(RuntimeError, match="step failed"):
+                    optimizer.step()  # parked, never unparked by the post-hook
+                handle.remove()
+                on_stack.append((during[-1], _mode_on_top()))
+                losses.append(loss.item())
+                continue
             optimizer.step()
+            on_stack.append((during[-1], _mode_on_top()))
             losses.append(loss.item())
         stats = membudget.memory_stats() if install else {}
         return losses, [p.detach().clone() for p in model.parameters()], recorded, on_stack, \
@@ -176,26 +194,35 @@ def _assert_same_training(plain, managed):
         assert torch.equal(a, b)
 
 
-def test_mode_is_parked_after_backward_and_every_forward_is_recorded():
+def test_mode_is_off_the_stack_during_optimizer_steps_and_every_forward_is_recorded():
     plain = _train(4, evict=False)
     managed = _train(4, evict=True, budget=ROOMY_BUDGET, actions="recompute")
     _assert_same_training(plain, managed)
     losses, _, recorded, on_stack, recomputes = managed
-    assert on_stack == [False] * 4          # parked through every optimizer step
-    assert recorded[0] > 0 and len(set(recorded)) == 1, recorded  # re-armed: every forward recorded alike
+    assert on_stack == [(False, True)] * 4   # off for each step, back after it
+    assert recorded[0] > 0 and len(set(recorded)) == 1, recorded
     assert recomputes >= 4
 
 
-def test_forward_without_modules_stops_parking_and_still_records():
+def test_a_failing_step_leaves_the_mode_to_the_next_module_call():
+    _, _, recorded, on_stack, _ = _train(4, evict=True, failing_step=True, budget=ROOMY_BUDGET,
+                                         actions="recompute")
+    # Step 1's step raised: no post-hook, the mode stays parked until the
+    # next module call (step 2's model(x)) re-enters it.
+    assert on_stack[1] == (False, False)
+    assert on_stack[2] == on_stack[3] == (False, True)
+    assert recorded[0] > 0 and recorded[3] == recorded[0]
+    assert 0 < recorded[2] < recorded[0]  # step 2's randn ran before the module call: not recorded
+
+
+def test_forward_without_modules_is_recorded_every_step():
     plain = _train(4, evict=False, functional=True)
     managed = _train(4, evict=True, functional=True, budget=ROOMY_BUDGET, actions="recompute")
     _assert_same_training(plain, managed)
     _, _, recorded, on_stack, recomputes = managed
-    # Step 1 parks; step 2's forward finds no module call, runs unrecorded,
-    # and its backward switches parking off: from then on the mode stays.
-    assert on_stack == [False, True, True, True]
-    assert recorded[0] > 0 and recorded[1] == 0 and recorded[2] == recorded[3] == recorded[0]
-    assert recomputes > 0
+    assert on_stack == [(False, True)] * 4
+    assert recorded[0] > 0 and len(set(recorded)) == 1, recorded
+    assert recomputes >= 4
 
 
 def test_autograd_grad_leaves_the_mode_in_place():

@@ -28,8 +28,8 @@ Unrecomputable (they can still be swapped): outputs of ops outside the
 ``aten``/``prims`` namespaces or with side effects, ops whose mutated
 arguments are not replayable, and anything downstream of a tensor mutated in
 place that lineage did not see. Backward, replays and ``no_grad`` work are not
-recorded, and from ``backward()`` to the next module call the mode is not even
-on the stack (Note [Lineage mode parked between steps] in ``_runtime.py``).
+recorded, and during ``optimizer.step()`` the mode is not even on the stack
+(Note [Lineage mode parked during optimizer steps] in ``_runtime.py``).
 
 Note [Recording fast path]: what the handler does per op is kept to what the
 op's schema says matters, computed once per overload (:class:`_FuncInfo`,
