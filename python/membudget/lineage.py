@@ -39,11 +39,11 @@ built by one ``tuple.__new__`` call, and the op's C++ callable is called
 directly. Scanning every argument (``tensor_args = None``, kept for ops
 outside aten/prims) is the reference it is tested against
 (tests/test_lineage_recording.py). Views build no node at all: their outputs
-share their sources' lineages, and a view's node would never be replayed. The Python ``TorchDispatchMode`` itself
-costs more per op than the 10 us target (``bench/bench_lineage.py``); a C++
-recorder would replace :func:`_lineage_dispatch` and keep these data
-structures (Note [Op observer probe] in csrc/torch/op_observer.cpp measures
-the floor of one).
+share their sources' lineages, and a view's node would never be replayed.
+The Python ``TorchDispatchMode`` itself costs more per op than the 10 us
+target (``bench/bench_lineage.py``); a C++ recorder would replace
+:func:`_lineage_dispatch` and keep these data structures (Note [Op observer
+probe] in csrc/torch/op_observer.cpp measures the floor of one).
 """
 from __future__ import annotations
 
