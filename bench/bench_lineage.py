@@ -3,25 +3,40 @@
 With recomputation allowed (``actions='recompute'`` or ``'both'``),
 membudget enters a Python ``TorchDispatchMode`` (:mod:`membudget.lineage`)
 that records every aten op of the forward pass; with ``actions='swap'`` it
-does not. This bench trains the same model in ONE process, with no budget,
-switching between three configurations by calling ``membudget.install()``
-again (which re-pushes the hooks):
+does not. Lineage is recorded only under a budget, so every configuration
+gets the same roomy one (``BUDGET``: nothing is ever evicted). This bench
+trains the same model in ONE process, switching between three configurations
+by calling ``membudget.install()`` again (which re-pushes the hooks):
 
 * ``swap``: membudget's saved-tensor hooks, no lineage: the baseline;
 * ``noop-mode``: ``swap`` plus an empty ``TorchDispatchMode`` that only
   forwards each op: the floor that any Python dispatch mode pays;
+* ``cpp-observer``: ``swap`` plus the C++ op-observer probe (a thread-local
+  ``at::RecordFunction`` callback capturing each top-level op's tensor
+  metadata; Note [Op observer probe] in csrc/torch/op_observer.cpp): the
+  floor of a C++ recorder, which the Python mode's floor is compared with;
 * ``both``: lineage recording (and the pack-time bookkeeping of
-  :meth:`membudget.lineage.Lineage.on_pack`).
+  :meth:`membudget.lineage.Lineage.on_pack`);
+* ``both-unparked``: ``both`` with the mode left on the stack during
+  ``optimizer.step()`` (Note [Lineage mode parked during optimizer steps]
+  switched off), as before parking existed: the step pays the mode's floor.
 
-The configurations alternate ``--rounds`` times (swap, noop, both, swap, ...);
+The configurations alternate ``--rounds`` times (swap, noop, observer, both, swap, ...);
 each round runs ``--steps`` training steps, of which the first is left out
 (first step after a switch). The overhead per op is
 ``(median step time of both - median of swap) / ops recorded per step``,
 the ops per step read from ``membudget._runtime._lineage.ops_recorded``.
+On a shared machine other processes only ever add time, so the same
+difference of the *fastest* steps ("min") is given too.
 Target (issue 3): at most 10 µs per op.
 
-    python bench/bench_lineage.py [--quick] [--rounds 7] [--steps 6] [--models gpt2,cnn,lstm]
+    python bench/bench_lineage.py [--quick] [--rounds 12] [--steps 5] [--models gpt2,cnn,lstm]
                                   [--markdown bench/RESULTS.md]
+
+Before/after in one process: ``--compare-lineage OTHER/python/membudget/lineage.py``
+loads another checkout's recorder beside this one's and times the forward
+pass of each model under each recorder's ``LineageMode`` (no pack hook, no
+optimizer: the recording alone), interleaved, against no mode at all.
 """
 from __future__ import annotations
 
@@ -47,12 +62,26 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import membudget  # noqa: E402
 from membudget import _runtime  # noqa: E402
 from membudget import models as builtin  # noqa: E402
+from membudget._native import load_extension  # noqa: E402
 from membudget.harness import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
 
 from bench_swap import gpt2, lstm, machine_line  # noqa: E402
 
 TARGET_US_PER_OP = 10.0
-CONFIGURATIONS = ("swap", "noop-mode", "both")
+# Far above what these models use: recording is on, nothing is evicted.
+BUDGET = "64GiB"
+CONFIGURATIONS = ("swap", "noop-mode", "cpp-observer", "both", "both-unparked")
+
+
+def configurations() -> tuple:
+    """CONFIGURATIONS, less the C++ observer where the extension predates it
+    (so that the bench also runs at older commits, for before/after tables)."""
+    missing = set()
+    if not hasattr(load_extension(), "observe_ops_start"):
+        missing.add("cpp-observer")
+    if not hasattr(_runtime, "_parking_allowed"):
+        missing.add("both-unparked")
+    return tuple(c for c in CONFIGURATIONS if c not in missing)
 
 # Sizes: those of tests/models.py (a step in tens of milliseconds on one thread).
 WORKLOADS = {
@@ -75,22 +104,40 @@ class ForwardOnlyMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def switch_to(configuration: str) -> Optional[ForwardOnlyMode]:
-    """Reinstall membudget (no budget) for ``configuration``; returns the
-    entered no-op mode for ``noop-mode`` (exit it before the next switch)."""
-    actions = "both" if configuration == "both" else "swap"
-    membudget.install(budget=None, actions=actions, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
-    if configuration == "noop-mode":
-        mode = ForwardOnlyMode()
-        mode.__enter__()
-        return mode
-    return None
+class Switched:
+    """What ``switch_to`` turned on beyond ``install()``: exit it before the next switch."""
+
+    def __init__(self, configuration: str):
+        self.configuration = configuration
+        self.mode: Optional[ForwardOnlyMode] = None
+        self.observed: Optional[Dict[str, int]] = None
+        if configuration == "noop-mode":
+            self.mode = ForwardOnlyMode()
+            self.mode.__enter__()
+        elif configuration == "cpp-observer":
+            load_extension().observe_ops_start()
+
+    def exit(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+        elif self.configuration == "cpp-observer":
+            self.observed = dict(load_extension().observe_ops_stop())
+
+
+def switch_to(configuration: str) -> Switched:
+    """Reinstall membudget (roomy budget) for ``configuration`` and turn on
+    its extra (no-op mode, C++ observer)."""
+    actions = "both" if configuration.startswith("both") else "swap"
+    membudget.install(budget=BUDGET, actions=actions, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    if configuration == "both-unparked":
+        _runtime._parking_allowed = False  # reset by the next install()
+    return Switched(configuration)
 
 
 def bench_model(name: str, args) -> Dict[str, Any]:
     """All rounds of one model; returns its row."""
     workload = WORKLOADS[name]["quick" if args.quick else "default"]()
-    switch_to("swap")  # install before the model is built, as a user would
+    switch_to("swap").exit()  # install before the model is built, as a user would
     torch.manual_seed(0)
     model = workload.build()
     model.train()
@@ -111,31 +158,38 @@ def bench_model(name: str, args) -> Dict[str, Any]:
 
     for _ in range(2):  # warm-up outside the timed rounds
         step()
-    times: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
-    forward_times: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
-    round_medians: Dict[str, List[float]] = {c: [] for c in CONFIGURATIONS}
+    chosen = configurations()
+    times: Dict[str, List[float]] = {c: [] for c in chosen}
+    forward_times: Dict[str, List[float]] = {c: [] for c in chosen}
+    round_medians: Dict[str, List[float]] = {c: [] for c in chosen}
     ops_per_step: List[float] = []
     dispatched_per_step: List[float] = []
+    observed_per_step: List[float] = []
     for _ in range(args.rounds):
-        for configuration in CONFIGURATIONS:
-            mode = switch_to(configuration)
+        for configuration in chosen:
+            switched = switch_to(configuration)
             try:
                 gc.collect()
                 measured = [step() for _ in range(args.steps)][1:]
                 if configuration == "both":
                     ops_per_step.append(_runtime._lineage.ops_recorded / args.steps)
-                if mode is not None:
-                    dispatched_per_step.append(mode.ops / args.steps)
+                if switched.mode is not None:
+                    dispatched_per_step.append(switched.mode.ops / args.steps)
             finally:
-                if mode is not None:
-                    mode.__exit__(None, None, None)
+                switched.exit()
+            if switched.observed is not None:
+                observed_per_step.append(switched.observed["ops"] / args.steps)
             seconds = [total for total, _ in measured]
             times[configuration].extend(seconds)
             forward_times[configuration].extend(forward for _, forward in measured)
             round_medians[configuration].append(statistics.median(seconds))
-    membudget.install(budget=None, actions="swap")  # stop recording before the next model
-    medians = {c: statistics.median(times[c]) for c in CONFIGURATIONS}
-    forward_medians = {c: statistics.median(forward_times[c]) for c in CONFIGURATIONS}
+    membudget.install(budget=BUDGET, actions="swap")  # stop recording before the next model
+    medians = {c: statistics.median(times[c]) for c in chosen}
+    fastest = {c: min(times[c]) for c in chosen}
+    forward_medians = {c: statistics.median(forward_times[c]) for c in chosen}
+    nan = float("nan")
+    observer = "cpp-observer" in chosen
+    unparked = "both-unparked" in chosen
     ops = statistics.median(ops_per_step)
     dispatched = statistics.median(dispatched_per_step)
     # Per-round differences (each round's configurations ran back to back):
@@ -148,28 +202,103 @@ def bench_model(name: str, args) -> Dict[str, Any]:
         "noop_ms": medians["noop-mode"] * 1e3,
         "both_ms": medians["both"] * 1e3,
         "us_per_op": (medians["both"] - medians["swap"]) / ops * 1e6,
+        "min_us_per_op": (fastest["both"] - fastest["swap"]) / ops * 1e6,
         "noop_us_per_op": (medians["noop-mode"] - medians["swap"]) / ops * 1e6,
+        "observer_ms": medians["cpp-observer"] * 1e3 if observer else nan,
+        "observed": statistics.median(observed_per_step) if observer else nan,
+        "observer_us_per_op": (medians["cpp-observer"] - medians["swap"]) / ops * 1e6 if observer else nan,
+        "observer_min_us_per_op": (fastest["cpp-observer"] - fastest["swap"]) / ops * 1e6 if observer else nan,
         "forward_us_per_op": (forward_medians["both"] - forward_medians["swap"]) / ops * 1e6,
+        "forward_min_us_per_op": (min(forward_times["both"]) - min(forward_times["swap"])) / ops * 1e6,
+        "observer_forward_min_us_per_op": ((min(forward_times["cpp-observer"]) - min(forward_times["swap"])) / ops * 1e6
+                                           if observer else nan),
         "dispatched": dispatched,
         "us_per_dispatched": (medians["both"] - medians["swap"]) / dispatched * 1e6,
         "noop_us_per_dispatched": (medians["noop-mode"] - medians["swap"]) / dispatched * 1e6,
         "ratio": medians["both"] / medians["swap"],
+        "unparked_us_per_op": (medians["both-unparked"] - medians["swap"]) / ops * 1e6 if unparked else nan,
+        "unparked_min_us_per_op": (fastest["both-unparked"] - fastest["swap"]) / ops * 1e6 if unparked else nan,
         "per_round_us": per_round_us,
     }
     print(f"[{name}] {ops:.0f} ops/step, swap {row['swap_ms']:.1f} ms, both {row['both_ms']:.1f} ms, "
-          f"{row['us_per_op']:.1f} µs/op (rounds: {', '.join(f'{u:.1f}' for u in per_round_us)})", flush=True)
+          f"{row['us_per_op']:.1f} µs/op (min {row['min_us_per_op']:.1f}; rounds: "
+          f"{', '.join(f'{u:.1f}' for u in per_round_us)}); C++ observer {row['observer_us_per_op']:.1f} µs/op "
+          f"(min {row['observer_min_us_per_op']:.1f})", flush=True)
     return row
+
+
+def compare_lineage(name: str, other_path: str, args) -> Dict[str, Any]:
+    """Forward-only recording cost of ``other_path``'s lineage recorder
+    against this checkout's, in one process (see the module docstring)."""
+    import importlib.util
+
+    from membudget import lineage as this
+
+    spec = importlib.util.spec_from_file_location("membudget._lineage_compared", other_path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other
+    spec.loader.exec_module(other)
+    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
+    membudget.install(budget=BUDGET, actions="swap", min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    native = load_extension()
+    torch.manual_seed(0)
+    model = workload.build()
+    model.train()
+    data = workload.batch(torch.device("cpu"))
+    recorders = {"other": other.Lineage(native), "this": this.Lineage(native)}
+    modes = {"other": other.LineageMode(recorders["other"]), "this": this.LineageMode(recorders["this"])}
+    times: Dict[str, List[float]] = {"none": [], "other": [], "this": []}
+    ops: Dict[str, int] = {}
+    for _ in range(args.rounds * 2):
+        for key in times:
+            for _ in range(args.steps):
+                mode = modes.get(key)
+                if mode is not None:
+                    recorders[key].note_unpack()
+                    before = recorders[key].ops_recorded
+                    mode.__enter__()
+                start = time.perf_counter()
+                loss = workload.loss(model, data)
+                seconds = time.perf_counter() - start
+                if mode is not None:
+                    mode.__exit__(None, None, None)
+                    ops[key] = recorders[key].ops_recorded - before
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                times[key].append(seconds)
+    row = {"model": name, "ops": ops["this"], "other_ops": ops["other"]}
+    for key in ("other", "this"):
+        row[f"{key}_min"] = (min(times[key]) - min(times["none"])) / ops[key] * 1e6
+        row[f"{key}_median"] = (statistics.median(times[key]) - statistics.median(times["none"])) / ops[key] * 1e6
+    print(f"[{name}] forward recording, µs/op (min / median): other {row['other_min']:.1f} / "
+          f"{row['other_median']:.1f}, this {row['this_min']:.1f} / {row['this_median']:.1f}", flush=True)
+    return row
+
+
+def format_comparison(rows: List[Dict[str, Any]], other_path: str) -> str:
+    """The --compare-lineage table (markdown)."""
+    lines = [f"| model | ops/forward (this / other) | other µs/op (min) | this µs/op (min) | other (median) "
+             f"| this (median) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['ops']} / {r['other_ops']} | {r['other_min']:.1f} | {r['this_min']:.1f} "
+              f"| {r['other_median']:.1f} | {r['this_median']:.1f} |" for r in rows]
+    return f"other = {other_path}\n\n" + "\n".join(lines)
 
 
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     """The results table, as text columns or as a markdown table."""
     header = ["model", "recorded ops/step", "dispatched ops/step", "swap ms", "noop-mode ms", "both ms",
-              "µs/recorded op", "(per round)", "fwd-only µs/recorded op", "µs/dispatched op",
-              "noop-mode µs/dispatched op", "step ratio both/swap", f"≤ {TARGET_US_PER_OP:.0f} µs/op"]
+              "µs/recorded op", "(per round)", "(min)", "fwd-only µs/recorded op", "(min)", "µs/dispatched op",
+              "noop-mode µs/dispatched op", "C++ observer ops/step", "C++ observer µs/recorded op", "(min)",
+              "C++ observer fwd-only (min)", "both-unparked µs/recorded op", "(min)",
+              "step ratio both/swap", f"≤ {TARGET_US_PER_OP:.0f} µs/op"]
     body = [[r["model"], f"{r['ops']:.0f}", f"{r['dispatched']:.0f}", f"{r['swap_ms']:.1f}", f"{r['noop_ms']:.1f}",
              f"{r['both_ms']:.1f}", f"{r['us_per_op']:.1f}",
-             f"{min(r['per_round_us']):.0f}..{max(r['per_round_us']):.0f}", f"{r['forward_us_per_op']:.1f}",
-             f"{r['us_per_dispatched']:.1f}", f"{r['noop_us_per_dispatched']:.1f}", f"{r['ratio']:.2f}x",
+             f"{min(r['per_round_us']):.0f}..{max(r['per_round_us']):.0f}", f"{r['min_us_per_op']:.1f}",
+             f"{r['forward_us_per_op']:.1f}", f"{r['forward_min_us_per_op']:.1f}",
+             f"{r['us_per_dispatched']:.1f}", f"{r['noop_us_per_dispatched']:.1f}", f"{r['observed']:.0f}",
+             f"{r['observer_us_per_op']:.1f}", f"{r['observer_min_us_per_op']:.1f}",
+             f"{r['observer_forward_min_us_per_op']:.1f}", f"{r['unparked_us_per_op']:.1f}",
+             f"{r['unparked_min_us_per_op']:.1f}", f"{r['ratio']:.2f}x",
              "yes" if r["us_per_op"] <= TARGET_US_PER_OP else "NO"] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -185,16 +314,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 7; 2 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations (default 12; 2 with --quick)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="steps per configuration and round, the first left out (default 6; 3 with --quick)")
+                        help="steps per configuration and round, the first left out (default 5; 3 with --quick)")
     parser.add_argument("--models", default=",".join(WORKLOADS), help="comma-separated subset of "
                         + ",".join(WORKLOADS))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; 0: torch's)")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
+    parser.add_argument("--compare-lineage", metavar="LINEAGE_PY",
+                        help="time another checkout's lineage.py against this one's, forward only (see above)")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (2 if args.quick else 7)
-    args.steps = args.steps or (3 if args.quick else 6)
+    args.rounds = args.rounds or (2 if args.quick else 12)
+    args.steps = args.steps or (3 if args.quick else 5)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is left out)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -205,10 +336,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
+    if args.compare_lineage:
+        rows = [compare_lineage(model, args.compare_lineage, args) for model in models]
+        command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_lineage.py", *argv])
+        table = format_comparison(rows, args.compare_lineage)
+        setup = (f"{machine_line('cpu', args.threads)}; {args.rounds * 2} rounds of none / other / this, "
+                 f"{args.steps} forwards each; {time.perf_counter() - started:.0f} s in all")
+        print(f"\n{command}\n{setup}\n{table}")
+        if args.markdown:
+            with open(args.markdown, "a") as out:
+                out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{table}\n")
+        return 0
     rows = [bench_model(model, args) for model in models]
     elapsed = time.perf_counter() - started
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_lineage.py", *argv])
-    setup = (f"{machine_line('cpu', args.threads)}; {args.rounds} rounds of swap / noop-mode / both, "
+    setup = (f"{machine_line('cpu', args.threads)}; {args.rounds} rounds of {' / '.join(configurations())}, "
              f"{args.steps} steps each (first left out); {elapsed:.0f} s in all")
     print(f"\n{command}\n{setup}")
     print(format_rows(rows, markdown=False))

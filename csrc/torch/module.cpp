@@ -1,6 +1,7 @@
 // The extension module membudget._C: build information plus each binding
 // file's registration function (see bindings.h).
 #include "torch/bindings.h"
+#include "torch/op_observer.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "membudget native core: budgeted caching allocator and residency manager";
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   membudget::bind_runtime(m);
   membudget::bind_cuda(m);
   membudget::bind_sim(m);
+  membudget::bind_op_observer(m);
 }

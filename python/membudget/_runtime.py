@@ -27,6 +27,21 @@ recorded). While the mode is installed, ``torch.autograd.backward`` and
 the mode off the dispatch stack for their duration when it is on top; the
 engine captures the thread's state at that point, so backward ops never see
 it. ``uninstall()`` restores the originals.
+
+Note [Lineage mode parked during optimizer steps]: ``optimizer.step()`` runs
+under ``no_grad`` and records nothing, yet with the mode on the stack each of
+its ops pays the Python mode's cost (about 10-20 us per op here; Adam makes
+several ops per parameter). Global optimizer step hooks take the mode off the
+stack before every step on the install thread and put it back after, so only
+the step itself runs without it: what is recorded does not change. If a step
+raises (no post-hook), or a closure-style optimizer (LBFGS) runs forward inside
+``step()``, a global ``nn.Module`` forward pre-hook, registered only while
+parked, re-enters the mode at the next module call with grad enabled. The mode
+is re-entered only when the dispatch stack is as deep as when it was parked,
+so it never lands above a mode entered later (whose ``__exit__`` would pop
+ours). (A first version parked from ``backward()`` to the next module call;
+it left the batch unrecorded, and the LSTM exactness test under half its
+peak with a 2 MiB host tier then ran out of memory every time: not kept.)
 """
 from __future__ import annotations
 
@@ -46,6 +61,11 @@ _hooks_thread: Optional[int] = None  # ident of the thread our hooks were pushed
 _lineage = None                      # membudget.lineage.Lineage while recording
 _lineage_mode = None                 # the entered LineageMode
 _autograd_originals = None           # (backward, grad) while wrapped
+# Note [Lineage mode parked during optimizer steps]
+_parked_depth: Optional[int] = None  # dispatch stack depth the mode left, while parked
+_rearm_hook = None                   # the module pre-hook's handle, while parked
+_optimizer_hooks = None              # the global optimizer step hooks' handles, while recording
+_parking_allowed = True              # whether optimizer steps park the mode (benchmarks turn it off)
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -188,7 +208,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     def recompute(entry_id):
         return rebuild_entry(lineage, entry_id)
 
-    for function in (pack, unpack, recompute):
+    for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
@@ -196,6 +216,11 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _lineage_mode.__enter__()
     _lineage = lineage
     _wrap_autograd_entry_points()
+
+
+def _mode_on_top(mode) -> bool:
+    depth = torch._C._len_torch_dispatch_stack()
+    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
 
 
 def _without_lineage_mode(function):
@@ -206,8 +231,7 @@ def _without_lineage_mode(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         mode = _lineage_mode
-        depth = torch._C._len_torch_dispatch_stack()
-        if mode is None or depth == 0 or torch._C._get_dispatch_stack_at(depth - 1) is not mode:
+        if mode is None or threading.get_ident() != _hooks_thread or not _mode_on_top(mode):
             return function(*args, **kwargs)
         with _pop_mode_temporarily():
             return function(*args, **kwargs)
@@ -215,28 +239,78 @@ def _without_lineage_mode(function):
     return wrapper
 
 
+def _park_for_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: the mode leaves the stack for the step."""
+    global _parked_depth, _rearm_hook
+    if (_lineage_mode is None or not _parking_allowed or _parked_depth is not None
+            or threading.get_ident() != _hooks_thread or not _mode_on_top(_lineage_mode)):
+        return
+    _lineage_mode.__exit__(None, None, None)
+    _parked_depth = torch._C._len_torch_dispatch_stack()
+    _rearm_hook = torch.nn.modules.module.register_module_forward_pre_hook(_rearm)
+
+
+def _unpark_after_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step post-hook: the mode is back for what follows."""
+    if (_parked_depth is None or threading.get_ident() != _hooks_thread
+            or torch._C._len_torch_dispatch_stack() != _parked_depth):
+        return
+    _unpark()
+    _lineage_mode.__enter__()
+
+
+def _unpark() -> None:
+    global _parked_depth, _rearm_hook
+    if _rearm_hook is not None:
+        _rearm_hook.remove()
+    _rearm_hook = None
+    _parked_depth = None
+
+
+def _rearm(module, args) -> None:
+    """Module forward pre-hook while parked (a step raised, or runs forward)."""
+    if (_parked_depth is None or threading.get_ident() != _hooks_thread or not torch.is_grad_enabled()
+            or torch._C._current_graph_task_id() != -1 or torch._C._len_torch_dispatch_stack() != _parked_depth):
+        return
+    _unpark()
+    _lineage_mode.__enter__()
+
+
 def _wrap_autograd_entry_points() -> None:
-    global _autograd_originals
+    global _autograd_originals, _optimizer_hooks
     if _autograd_originals is None:
         _autograd_originals = (torch.autograd.backward, torch.autograd.grad)
         torch.autograd.backward = _without_lineage_mode(_autograd_originals[0])
         torch.autograd.grad = _without_lineage_mode(_autograd_originals[1])
+    if _optimizer_hooks is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _optimizer_hooks = (register_optimizer_step_pre_hook(_park_for_step),
+                            register_optimizer_step_post_hook(_unpark_after_step))
 
 
 def _restore_autograd_entry_points() -> None:
-    global _autograd_originals
+    global _autograd_originals, _optimizer_hooks
     if _autograd_originals is not None:
         torch.autograd.backward, torch.autograd.grad = _autograd_originals
         _autograd_originals = None
+    if _optimizer_hooks is not None:
+        for handle in _optimizer_hooks:
+            handle.remove()
+        _optimizer_hooks = None
 
 
 def _pop_hooks() -> None:
-    global _lineage, _lineage_mode
+    global _lineage, _lineage_mode, _parking_allowed
     if _lineage_mode is not None:
         _restore_autograd_entry_points()
-        _lineage_mode.__exit__(None, None, None)
+        if _parked_depth is not None:
+            _unpark()  # already off the stack
+        else:
+            _lineage_mode.__exit__(None, None, None)
         _lineage_mode = None
         _lineage = None
+        _parking_allowed = True
     torch._C._autograd._pop_saved_tensors_default_hooks()
 
 

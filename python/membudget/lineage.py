@@ -28,12 +28,26 @@ Unrecomputable (they can still be swapped): outputs of ops outside the
 ``aten``/``prims`` namespaces or with side effects, ops whose mutated
 arguments are not replayable, and anything downstream of a tensor mutated in
 place that lineage did not see. Backward, replays and ``no_grad`` work are not
-recorded. A C++ fast path would replace :meth:`LineageMode.__torch_dispatch__`
-and keep these data structures; the Python one costs a few microseconds per op
-(``bench/bench_lineage.py``).
+recorded, and during ``optimizer.step()`` the mode is not even on the stack
+(Note [Lineage mode parked during optimizer steps] in ``_runtime.py``).
+
+Note [Recording fast path]: what the handler does per op is kept to what the
+op's schema says matters, computed once per overload (:class:`_FuncInfo`,
+keyed by ``id``: ``OpOverload.__hash__`` is Python): only the argument
+positions typed as tensors are looked at, each becomes a :class:`TensorRef`
+built by one ``tuple.__new__`` call, and the op's C++ callable is called
+directly. Scanning every argument (``tensor_args = None``, kept for ops
+outside aten/prims) is the reference it is tested against
+(tests/test_lineage_recording.py). Views build no node at all: their outputs
+share their sources' lineages, and a view's node would never be replayed.
+The Python ``TorchDispatchMode`` itself costs more per op than the 10 us
+target (``bench/bench_lineage.py``); a C++ recorder would replace
+:func:`_lineage_dispatch` and keep these data structures (Note [Op observer
+probe] in csrc/torch/op_observer.cpp measures the floor of one).
 """
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import weakref
@@ -53,6 +67,7 @@ _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
 _SCRATCH_ARGUMENTS = frozenset({"running_mean", "running_var"})
 # Ops that never need replaying and whose outputs are not tensors worth a node.
 _NOT_RECORDED = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"})
+_NO_KWARGS: Dict[str, Any] = {}  # shared by every node without keyword arguments: never mutated
 
 
 class StorageLineage:
@@ -76,29 +91,44 @@ class StorageLineage:
 class ExternalLineage:
     """A tensor no recorded op produced (a parameter, the batch): held, not rebuilt."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "key", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+        # Its storage address when first read in this forward (externals are
+        # renewed every forward): what replay.rescue_dependents_of matches
+        # writes against, computed once instead of at every pack that reads it.
+        self.key = storage_address(tensor)
 
 
-class TensorRef:
+class TensorRef(tuple):
     """A tensor argument of a recorded op: its storage's lineage, the storage
     version it was read at, and the view geometry to rebuild it from the
-    storage."""
+    storage.
 
-    __slots__ = ("lineage", "version", "tensor_version", "sizes", "strides", "offset", "dtype", "device", "scratch")
+    A tuple with named fields (like a namedtuple): recording builds one per
+    tensor argument with ``tuple.__new__`` (:func:`_new_ref`), a single C call
+    with no Python frame, and fields read through C getters."""
 
-    def __init__(self, lineage, version: int, tensor: torch.Tensor, scratch: bool = False):
-        self.lineage = lineage
-        self.version = version
-        self.tensor_version = tensor._version
-        self.sizes = tensor.size()
-        self.strides = tensor.stride()
-        self.offset = tensor.storage_offset()
-        self.dtype = tensor.dtype
-        self.device = tensor.device
-        self.scratch = scratch
+    __slots__ = ()
+    _fields = ("lineage", "version", "tensor_version", "sizes", "strides", "offset", "dtype", "scratch")
+
+    def __new__(cls, lineage, version: int, tensor: torch.Tensor, scratch: bool = False):
+        return _new_ref(lineage, version, tensor, scratch)
+
+    def __repr__(self) -> str:
+        return "TensorRef(" + ", ".join(f"{name}={value!r}" for name, value in zip(self._fields, self)) + ")"
+
+
+for _position, _field in enumerate(TensorRef._fields):
+    setattr(TensorRef, _field, property(operator.itemgetter(_position), doc=f"Field {_position}: {_field}."))
+_tuple_new = tuple.__new__
+
+
+def _new_ref(lineage, version: int, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
+    """A :class:`TensorRef` to ``tensor`` read through ``lineage`` at ``version``."""
+    return _tuple_new(TensorRef, (lineage, version, tensor._version, tensor.size(), tensor.stride(),
+                                  tensor.storage_offset(), tensor.dtype, scratch))
 
 
 class OpNode:
@@ -106,15 +136,15 @@ class OpNode:
 
     __slots__ = ("func", "args", "kwargs", "seconds", "rng", "replayable", "index", "refs", "__weakref__")
 
-    def __init__(self, func, args, kwargs, refs, index: int):
+    def __init__(self, func, args, kwargs, refs, index: int, replayable: bool = True):
         self.func = func
         self.args = args
-        self.kwargs = kwargs
+        self.kwargs = kwargs        # never mutated: an empty one is shared (_NO_KWARGS)
         self.refs: List[TensorRef] = refs
         self.index = index          # position among this forward's recorded ops
         self.seconds = 0.0
         self.rng: Optional[Tuple[torch.Generator, torch.Tensor]] = None
-        self.replayable = True
+        self.replayable = replayable
 
     @property
     def name(self) -> str:
@@ -125,7 +155,8 @@ class OpNode:
 class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
-    __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple")
+    __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple",
+                 "func", "op", "tensor_args", "view")
 
     def __init__(self, func):
         schema = func._schema
@@ -164,15 +195,33 @@ class _FuncInfo:
         # The common case, handled without loops: one fresh tensor out, no writes.
         self.simple = (not self.writes and len(schema.returns) == 1 and self.aliases[0] is None
                        and str(schema.returns[0].type) == "Tensor")
+        # Every output aliases an input and nothing is written: the outputs
+        # share their sources' lineages and no node of this op is ever
+        # replayed, so none is built (Note [Recording fast path]).
+        self.view = (not self.writes and bool(self.aliases) and all(a is not None for a in self.aliases)
+                     and namespace in _REPLAYABLE_NAMESPACES)
+        self.func = func     # keeps the overload (and so its id, the key in _infos) alive
+        self.op = func._op   # the C++ callable, without OpOverload.__call__'s Python frame
+        # Which positional arguments can hold tensors, from the schema:
+        # (position, is a list, is scratch). Ops outside aten/prims may hide
+        # tensors in untyped arguments: every argument of theirs is scanned.
+        self.tensor_args: Optional[Tuple[Tuple[int, bool, bool], ...]] = None
+        if namespace in _REPLAYABLE_NAMESPACES:
+            self.tensor_args = tuple(
+                (position, isinstance(arg.type, torch._C.ListType), arg.name in self.scratch)
+                for position, arg in enumerate(schema.arguments)
+                if not arg.kwarg_only and "Tensor" in str(arg.type))
 
 
-_infos: Dict[Any, _FuncInfo] = {}
+# Keyed by id(overload): OpOverload.__hash__ is a Python method (a frame per
+# lookup); the info holds the overload, so its id is never reused.
+_infos: Dict[int, _FuncInfo] = {}
 
 
 def _func_info(func) -> _FuncInfo:
-    info = _infos.get(func)
+    info = _infos.get(id(func))
     if info is None:
-        info = _infos[func] = _FuncInfo(func)
+        info = _infos[id(func)] = _FuncInfo(func)
     return info
 
 
@@ -211,25 +260,18 @@ class Lineage:
 
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
-        held = self.externals.get(id(tensor))
-        if held is not None and held.tensor is tensor:
-            # Parameters are read by many ops: skip the attribute lookup,
-            # which is slow for tensors without the attribute.
-            return TensorRef(held, 0, tensor, scratch)
         lineage = getattr(tensor, _ATTR, None)
-        if lineage is not None and type(lineage) is StorageLineage and tensor._version != lineage.versions[-1]:
+        if type(lineage) is StorageLineage:
+            if tensor._version == lineage.versions[-1]:
+                return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
             # Written where lineage could not see (no_grad code such as weight
             # init, another thread): from here on it is an input we hold, like
             # a parameter. Such tensors are long-lived buffers in practice.
             delattr(tensor, _ATTR)
-            lineage = None
-        if lineage is None:
-            lineage = self.externals.get(id(tensor))
-            if lineage is None or lineage.tensor is not tensor:
-                lineage = self.externals[id(tensor)] = ExternalLineage(tensor)
-            return TensorRef(lineage, 0, tensor, scratch)
-        version = len(lineage.mutations) if type(lineage) is StorageLineage else 0
-        return TensorRef(lineage, version, tensor, scratch)
+        held = self.externals.get(id(tensor))
+        if held is None or held.tensor is not tensor:
+            held = self.externals[id(tensor)] = ExternalLineage(tensor)
+        return _new_ref(held, 0, tensor, scratch)
 
     def _template(self, value, refs: List[TensorRef], scratch: bool = False):
         if isinstance(value, _PLAIN_TENSOR):
@@ -248,18 +290,39 @@ class Lineage:
         if self.in_backward:
             self._begin_forward()
         refs: List[TensorRef] = []
-        template = self._template
-        if info.scratch_positions:
-            scratch = info.scratch_positions
-            arg_template = tuple(template(a, refs, i in scratch) for i, a in enumerate(args))
+        tensor_args = info.tensor_args
+        if tensor_args is not None:
+            # Only the positions the schema types as tensors are looked at.
+            arg_template = None
+            count = len(args)
+            ref = self._ref
+            for position, is_list, scratch in tensor_args:
+                if position >= count:
+                    break
+                value = args[position]
+                if is_list:
+                    if not value:
+                        continue
+                    value = self._template(value, refs)
+                elif isinstance(value, _PLAIN_TENSOR):
+                    value = ref(value, scratch)
+                    refs.append(value)
+                else:
+                    continue
+                if arg_template is None:
+                    arg_template = list(args)
+                arg_template[position] = value
+            arg_template = args if arg_template is None else tuple(arg_template)
+        elif info.scratch_positions:
+            scratch_positions = info.scratch_positions
+            arg_template = tuple(self._template(a, refs, i in scratch_positions) for i, a in enumerate(args))
         else:
-            arg_template = tuple([template(a, refs) for a in args])
-        kwarg_template = {k: template(v, refs, k in info.scratch)
-                          for k, v in kwargs.items()} if kwargs else {}
-        node = OpNode(func, arg_template, kwarg_template, refs, self.op_index)
+            arg_template = tuple([self._template(a, refs) for a in args])
+        kwarg_template = {k: self._template(v, refs, k in info.scratch)
+                          for k, v in kwargs.items()} if kwargs else _NO_KWARGS
+        node = OpNode(func, arg_template, kwarg_template, refs, self.op_index, info.replayable)
         self.op_index += 1
         self.ops_recorded += 1
-        node.replayable = info.replayable
         if info.random:
             node.rng = _capture_generator(args, kwargs)
         return node
@@ -326,20 +389,33 @@ class Lineage:
         if type(lineage) is not StorageLineage or lineage.entry_id is not None:
             return
         base = lineage.base()
-        if base is not None and storage_address(base) != storage_address(tensor):
+        if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
             return  # set_() or similar moved the tensor to another storage
         if tensor._version != lineage.versions[-1]:
             return  # written by something lineage did not see
-        from .replay import closure
-
+        # A function-level import costs microseconds per call (the package
+        # relative import runs importlib's Python code): bound once.
+        closure = _replay_closure or _bind_replay_closure()
         ok, seconds, deps, _ = closure(lineage, len(lineage.mutations), top=True)
-        lineage.entry_id = handle.entry_id
-        self.by_entry[handle.entry_id] = lineage
-        self.native.set_recompute_info(handle.entry_id, ok, seconds, sorted(deps))
+        entry_id = handle.entry_id
+        lineage.entry_id = entry_id
+        self.by_entry[entry_id] = lineage
+        self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps))
         if ok and self.plan is not None:
             producer = lineage.producer
             if self.plan.drops(producer.index, producer.name, lineage.index):
-                self.native.plan_drop(handle.entry_id)
+                self.native.plan_drop(entry_id)
+
+
+_replay_closure = None  # membudget.replay.closure, bound at the first pack (replay imports this module)
+
+
+def _bind_replay_closure():
+    global _replay_closure
+    from .replay import closure
+
+    _replay_closure = closure
+    return closure
 
 
 def storage_address(tensor: torch.Tensor) -> int:
@@ -389,25 +465,38 @@ class LineageMode(TorchDispatchMode):
 
 
 def _lineage_dispatch(self, func, types, args=(), kwargs=None):
+    info = _infos.get(id(func)) or _func_info(func)
     if kwargs is None:
-        kwargs = {}
-    lineage = self.lineage
-    if lineage.local.__dict__.get("paused") or _graph_task_id() != -1 or not _grad_enabled():
-        return func(*args, **kwargs)
+        kwargs = _NO_KWARGS
+    # Replays run with the mode off the stack (replay.rebuild_entry), and
+    # backward normally does too (Note [Backward without the lineage mode]);
+    # the graph task check covers backward entered some other way.
+    if not info.recorded or _graph_task_id() != -1 or not _grad_enabled():
+        return info.op(*args, **kwargs)
     for kind in types:  # tensor subclasses (fake, functional, user wrappers): not ours
         if kind is not _PLAIN_TENSOR:
-            return func(*args, **kwargs)
-    info = _infos.get(func) or _func_info(func)
-    if not info.recorded:
-        return func(*args, **kwargs)
+            return info.op(*args, **kwargs)
+    lineage = self.lineage
+    if info.view:
+        if lineage.in_backward:
+            lineage._begin_forward()
+        lineage.op_index += 1  # numbered all the same: plans count every forward op
+        lineage.ops_recorded += 1
+        out = info.op(*args, **kwargs)
+        lineage.after(None, info, args, kwargs, out)
+        return out
     node = lineage.before(func, info, args, kwargs)
     start = _clock()
-    out = func(*args, **kwargs)
+    out = info.op(*args, **kwargs)
     node.seconds = _clock() - start
     if lineage.device_model is not None:
         # Asynchronous device: the timer saw the launch only.
         node.seconds = max(node.seconds, _modelled_seconds(func, args, kwargs, out, lineage.device_model))
-    lineage.after(node, info, args, kwargs, out)
+    if info.simple:
+        if type(out) is _PLAIN_TENSOR:
+            out.__dict__[_ATTR] = StorageLineage(node, 0, out)
+    else:
+        lineage.after(node, info, args, kwargs, out)
     return out
 
 

@@ -73,7 +73,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if type(source) is ExternalLineage:
                 if ref.scratch:
                     continue
-                externals.add(storage_address(source.tensor))
+                externals.add(source.key)
                 ok = ok and source.tensor._version == ref.tensor_version
                 continue
             if ref.version >= len(source.versions) or source.versions[ref.version] != ref.tensor_version:
