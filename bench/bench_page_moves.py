@@ -5,7 +5,9 @@ Drives HostBackend's own map_pages / unmap_pages / move_pages (mmap with
 MAP_POPULATE, a PROT_NONE mapping over released pages, mremap) over one
 reserved range: ``--mib`` MiB in runs of ``--run-kib`` KiB, ``--rounds``
 times each, alternating, in one process. Prints milliseconds per round and the
-ratio.
+ratio. Then the cost of one cached allocate + deallocate by size with fixed and
+with expandable segments (the mapped-page bookkeeping must not grow with the
+block's page count).
 
     python bench/bench_page_moves.py [--mib 116] [--run-kib 1024] [--rounds 5]
 """
@@ -64,6 +66,22 @@ def main() -> int:
     print(f"  unmap + map : {remap_ms:8.2f} ms")
     print(f"  move        : {move_ms:8.2f} ms")
     print(f"  ratio       : {remap_ms / move_ms:8.1f}x")
+
+    print("cached allocate + deallocate, microseconds (median of 5 x 2000):")
+    print(f"  {'size':>10}  {'fixed':>8}  {'expandable':>10}")
+    for size in (64 * 1024, 4 * MiB, 64 * MiB, 256 * MiB):
+        cells = []
+        for expandable in (False, True):
+            allocator = core.CachingAllocator(core.HostBackend(), 4096 * MiB, expandable_segments=expandable)
+            allocator.deallocate(allocator.allocate(size))
+            rounds = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(2000):
+                    allocator.deallocate(allocator.allocate(size))
+                rounds.append((time.perf_counter() - start) / 2000 * 1e6)
+            cells.append(statistics.median(rounds))
+        print(f"  {size // 1024:>7} KiB  {cells[0]:8.2f}  {cells[1]:10.2f}")
     return 0
 
 

@@ -185,8 +185,10 @@ struct CachingAllocator::Impl {
   // bytes moved; pages that could not move are left to Note [Partial release].
   size_t recycle_pages_into(const Block* target, size_t size) {
     ExpandableSegment& to = *target->expandable;
-    const std::vector<size_t> wanted = to.unmapped_pages_touching(target->ptr, size);
-    if (wanted.empty()) return 0;
+    ExpandableSegment::PageRuns wanted = to.unmapped_runs_touching(target->ptr, size);
+    size_t wanted_pages = 0;
+    for (const auto& run : wanted) wanted_pages += run.second;
+    if (wanted_pages == 0) return 0;
     std::vector<std::pair<size_t, const Block*>> donors;
     for (BlockPool* pool : {&small_pool, &large_pool}) {
       for (const Block* block : pool->free_blocks()) {
@@ -196,24 +198,36 @@ struct CachingAllocator::Impl {
       }
     }
     std::sort(donors.begin(), donors.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-    std::vector<std::pair<ExpandableSegment*, size_t>> source;  // (segment, page), as many as wanted
+    struct SourceRun {
+      ExpandableSegment* segment;
+      size_t page;
+      size_t count;
+    };
+    std::vector<SourceRun> sources;  // as many pages as wanted, at most
+    size_t found = 0;
     auto take_from = [&](ExpandableSegment* segment, const char* ptr, size_t bytes) {
-      for (size_t page : segment->mapped_pages_inside(ptr, bytes)) {
-        if (source.size() == wanted.size()) return;
-        source.emplace_back(segment, page);
+      for (const auto& run : segment->mapped_runs_inside(ptr, bytes)) {
+        if (found == wanted_pages) return;
+        const size_t count = std::min(run.second, wanted_pages - found);
+        sources.push_back({segment, run.first, count});
+        found += count;
       }
     };
     for (const auto& donor : donors) take_from(donor.second->expandable, donor.second->ptr, donor.second->size);
     if (target->size > size) take_from(&to, target->ptr + size, target->size - size);
+    // Pair source runs with wanted runs, moving the overlap of the two heads.
     size_t moved_pages = 0;
-    for (size_t i = 0; i < source.size();) {  // runs consecutive on both sides
-      size_t j = i + 1;
-      while (j < source.size() && source[j].first == source[i].first &&
-             source[j].second == source[j - 1].second + 1 && wanted[j] == wanted[j - 1] + 1) {
-        ++j;
+    size_t w = 0;
+    for (SourceRun& source : sources) {
+      while (source.count > 0 && w < wanted.size()) {
+        const size_t count = std::min(source.count, wanted[w].second);
+        if (ExpandableSegment::move(*source.segment, source.page, to, wanted[w].first, count)) moved_pages += count;
+        source.page += count;
+        source.count -= count;
+        wanted[w].first += count;
+        wanted[w].second -= count;
+        if (wanted[w].second == 0) ++w;
       }
-      if (ExpandableSegment::move(*source[i].first, source[i].second, to, wanted[i], j - i)) moved_pages += j - i;
-      i = j;
     }
     const size_t moved = moved_pages * to.page_bytes();
     stats.moved_bytes_total += moved;

@@ -1,6 +1,7 @@
 #include "expandable_segment.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace membudget {
 
@@ -13,51 +14,87 @@ ExpandableSegment::ExpandableSegment(Backend& backend, size_t bytes)
 
 ExpandableSegment::~ExpandableSegment() {
   if (base_ == nullptr) return;
-  for_each_run(0, mapped_.size(), true, [this](size_t first, size_t count) {
-    backend_.unmap_pages(base_ + first * page_, count * page_);
-  });
+  for (const auto& run : runs_) backend_.unmap_pages(base_ + run.first * page_, (run.second - run.first) * page_);
   backend_.release_address_range(base_, size_);
+}
+
+std::pair<size_t, size_t> ExpandableSegment::pages_touching(const char* ptr, size_t bytes) const {
+  const size_t offset = static_cast<size_t>(ptr - base_);
+  return {offset / page_, (offset + bytes + page_ - 1) / page_};
+}
+
+std::pair<size_t, size_t> ExpandableSegment::pages_inside(const char* ptr, size_t bytes) const {
+  const size_t offset = static_cast<size_t>(ptr - base_);
+  return {(offset + page_ - 1) / page_, (offset + bytes) / page_};
 }
 
 template <typename Run>
 void ExpandableSegment::for_each_run(size_t first, size_t last, bool mapped, Run run) const {
-  size_t page = first;
-  while (page < last) {
-    const bool state = page < mapped_.size() && mapped_[page];
-    if (state != mapped) {
-      ++page;
+  if (first >= last) return;
+  auto it = runs_.upper_bound(first);
+  if (it != runs_.begin() && std::prev(it)->second > first) --it;
+  size_t cursor = first;  // unmapped from here, up to the next run
+  for (; it != runs_.end() && it->first < last; ++it) {
+    const size_t start = std::max(it->first, first);
+    const size_t end = std::min(it->second, last);
+    if (mapped) {
+      run(start, end - start);
+    } else if (start > cursor) {
+      run(cursor, start - cursor);
+    }
+    cursor = std::max(cursor, end);
+  }
+  if (!mapped && cursor < last) run(cursor, last - cursor);
+}
+
+void ExpandableSegment::set_mapped(size_t first, size_t last, bool mapped) {
+  if (first >= last) return;
+  auto it = runs_.upper_bound(first);
+  if (it != runs_.begin() && std::prev(it)->second >= first) --it;
+  size_t low = first;
+  size_t high = last;
+  std::vector<std::pair<size_t, size_t>> kept;  // pieces of runs outside [first, last) when unmapping
+  while (it != runs_.end() && it->first <= last) {
+    const bool overlaps = it->first < last && it->second > first;
+    if (!mapped && !overlaps) {  // a neighbour that only touches: untouched
+      ++it;
       continue;
     }
-    size_t end = page + 1;
-    while (end < last && (end < mapped_.size() && mapped_[end]) == mapped) ++end;
-    run(page, end - page);
-    page = end;
+    if (mapped) {
+      low = std::min(low, it->first);
+      high = std::max(high, it->second);
+    } else {
+      if (it->first < first) kept.emplace_back(it->first, first);
+      if (it->second > last) kept.emplace_back(last, it->second);
+    }
+    it = runs_.erase(it);
+  }
+  if (mapped) {
+    runs_.emplace(low, high);
+  } else {
+    for (const auto& piece : kept) runs_.emplace(piece);
   }
 }
 
 size_t ExpandableSegment::unmapped_bytes_touching(const char* ptr, size_t bytes) const {
-  const size_t first = page_index(ptr);
-  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
+  const auto pages = pages_touching(ptr, bytes);
   size_t count = 0;
-  for_each_run(first, last, false, [&count](size_t, size_t pages) { count += pages; });
+  for_each_run(pages.first, pages.second, false, [&count](size_t, size_t n) { count += n; });
   return count * page_;
 }
 
 bool ExpandableSegment::fully_mapped(const char* ptr, size_t bytes) const {
-  const size_t first = page_index(ptr);
-  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
-  if (last > mapped_.size()) return false;
-  for (size_t page = first; page < last; ++page) {
-    if (!mapped_[page]) return false;
-  }
-  return true;
+  const auto pages = pages_touching(ptr, bytes);
+  auto it = runs_.upper_bound(pages.first);
+  if (it == runs_.begin()) return false;
+  --it;  // the run starting at or before the first page
+  return it->first <= pages.first && it->second >= pages.second;
 }
 
 bool ExpandableSegment::map_range(const char* ptr, size_t bytes) {
-  const size_t first = page_index(ptr);
-  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
-  std::vector<std::pair<size_t, size_t>> runs;
-  for_each_run(first, last, false, [&runs](size_t start, size_t count) { runs.emplace_back(start, count); });
+  const auto pages = pages_touching(ptr, bytes);
+  PageRuns runs;
+  for_each_run(pages.first, pages.second, false, [&runs](size_t start, size_t n) { runs.emplace_back(start, n); });
   for (size_t i = 0; i < runs.size(); ++i) {
     if (backend_.map_pages(base_ + runs[i].first * page_, runs[i].second * page_)) continue;
     for (size_t undo = 0; undo < i; ++undo) {
@@ -65,66 +102,53 @@ bool ExpandableSegment::map_range(const char* ptr, size_t bytes) {
     }
     return false;
   }
-  if (mapped_.size() < last) mapped_.resize(last, false);
   for (const auto& run : runs) {
-    std::fill_n(mapped_.begin() + static_cast<std::ptrdiff_t>(run.first), run.second, true);
+    set_mapped(run.first, run.first + run.second, true);
     mapped_pages_ += run.second;
   }
   return true;
 }
 
 size_t ExpandableSegment::mapped_bytes_inside(const char* ptr, size_t bytes) const {
-  const size_t offset = static_cast<size_t>(ptr - base_);
-  const size_t first = (offset + page_ - 1) / page_;
-  const size_t last = std::min((offset + bytes) / page_, mapped_.size());
+  const auto pages = pages_inside(ptr, bytes);
   size_t count = 0;
-  for_each_run(first, last, true, [&count](size_t, size_t pages) { count += pages; });
+  for_each_run(pages.first, pages.second, true, [&count](size_t, size_t n) { count += n; });
   return count * page_;
 }
 
 size_t ExpandableSegment::unmap_inside(const char* ptr, size_t bytes) {
-  const size_t offset = static_cast<size_t>(ptr - base_);
-  const size_t first = (offset + page_ - 1) / page_;
-  const size_t last = std::min((offset + bytes) / page_, mapped_.size());
+  const PageRuns runs = mapped_runs_inside(ptr, bytes);
   size_t released = 0;
-  for_each_run(first, last, true, [this, &released](size_t start, size_t count) {
-    backend_.unmap_pages(base_ + start * page_, count * page_);
-    std::fill_n(mapped_.begin() + static_cast<std::ptrdiff_t>(start), count, false);
-    mapped_pages_ -= count;
-    released += count * page_;
-  });
+  for (const auto& run : runs) {
+    backend_.unmap_pages(base_ + run.first * page_, run.second * page_);
+    set_mapped(run.first, run.first + run.second, false);
+    mapped_pages_ -= run.second;
+    released += run.second * page_;
+  }
   return released;
 }
 
-std::vector<size_t> ExpandableSegment::unmapped_pages_touching(const char* ptr, size_t bytes) const {
-  const size_t first = page_index(ptr);
-  const size_t last = (static_cast<size_t>(ptr - base_) + bytes + page_ - 1) / page_;
-  std::vector<size_t> pages;
-  for_each_run(first, last, false, [&pages](size_t start, size_t count) {
-    for (size_t page = start; page < start + count; ++page) pages.push_back(page);
-  });
-  return pages;
+ExpandableSegment::PageRuns ExpandableSegment::unmapped_runs_touching(const char* ptr, size_t bytes) const {
+  const auto pages = pages_touching(ptr, bytes);
+  PageRuns runs;
+  for_each_run(pages.first, pages.second, false, [&runs](size_t start, size_t n) { runs.emplace_back(start, n); });
+  return runs;
 }
 
-std::vector<size_t> ExpandableSegment::mapped_pages_inside(const char* ptr, size_t bytes) const {
-  const size_t offset = static_cast<size_t>(ptr - base_);
-  const size_t first = (offset + page_ - 1) / page_;
-  const size_t last = std::min((offset + bytes) / page_, mapped_.size());
-  std::vector<size_t> pages;
-  for_each_run(first, last, true, [&pages](size_t start, size_t count) {
-    for (size_t page = start; page < start + count; ++page) pages.push_back(page);
-  });
-  return pages;
+ExpandableSegment::PageRuns ExpandableSegment::mapped_runs_inside(const char* ptr, size_t bytes) const {
+  const auto pages = pages_inside(ptr, bytes);
+  PageRuns runs;
+  for_each_run(pages.first, pages.second, true, [&runs](size_t start, size_t n) { runs.emplace_back(start, n); });
+  return runs;
 }
 
 bool ExpandableSegment::move(ExpandableSegment& from, size_t from_page, ExpandableSegment& to, size_t to_page,
                              size_t count) {
   const size_t page = from.page_;
   if (!from.backend_.move_pages(from.base_ + from_page * page, to.base_ + to_page * page, count * page)) return false;
-  std::fill_n(from.mapped_.begin() + static_cast<std::ptrdiff_t>(from_page), count, false);
+  from.set_mapped(from_page, from_page + count, false);
   from.mapped_pages_ -= count;
-  if (to.mapped_.size() < to_page + count) to.mapped_.resize(to_page + count, false);
-  std::fill_n(to.mapped_.begin() + static_cast<std::ptrdiff_t>(to_page), count, true);
+  to.set_mapped(to_page, to_page + count, true);
   to.mapped_pages_ += count;
   return true;
 }

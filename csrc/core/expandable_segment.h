@@ -11,6 +11,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -48,10 +50,11 @@ class ExpandableSegment {
   // Unmaps them; returns the bytes released.
   size_t unmap_inside(const char* ptr, size_t bytes);
 
-  // Page indices, ascending: the unmapped pages touching a range, and the
-  // mapped pages wholly inside one (the two sides of a move).
-  std::vector<size_t> unmapped_pages_touching(const char* ptr, size_t bytes) const;
-  std::vector<size_t> mapped_pages_inside(const char* ptr, size_t bytes) const;
+  // Runs of pages (first page, count), ascending: the unmapped runs touching
+  // a range, and the mapped runs wholly inside one (the two sides of a move).
+  using PageRuns = std::vector<std::pair<size_t, size_t>>;
+  PageRuns unmapped_runs_touching(const char* ptr, size_t bytes) const;
+  PageRuns mapped_runs_inside(const char* ptr, size_t bytes) const;
   // Moves the memory of `count` mapped pages from `from` (from_page on) to
   // unmapped pages of `to` (to_page on) through Backend::move_pages; reserved
   // memory does not change. False when the backend cannot; nothing changed.
@@ -62,15 +65,21 @@ class ExpandableSegment {
   // [first, last) whose mapped state equals `mapped`.
   template <typename Run>
   void for_each_run(size_t first, size_t last, bool mapped, Run run) const;
+  // Records [first, last) as mapped or unmapped, merging runs.
+  void set_mapped(size_t first, size_t last, bool mapped);
   size_t page_index(const char* ptr) const { return static_cast<size_t>(ptr - base_) / page_; }
+  // [first, last) pages touching the byte range, and those wholly inside it.
+  std::pair<size_t, size_t> pages_touching(const char* ptr, size_t bytes) const;
+  std::pair<size_t, size_t> pages_inside(const char* ptr, size_t bytes) const;
 
   Backend& backend_;
   const size_t page_;
   size_t size_ = 0;
   char* base_ = nullptr;
-  // Mapped state per page, grown on demand: pages past its end were never
-  // mapped, so the scans never walk the whole (device-sized) range.
-  std::vector<bool> mapped_;
+  // The mapped pages as maximal runs, first page -> one past the last:
+  // every query and update costs O(log runs + runs it overlaps), not a walk
+  // over the pages of a block (a 256 MiB block is 65536 host pages).
+  std::map<size_t, size_t> runs_;
   size_t mapped_pages_ = 0;
 };
 
