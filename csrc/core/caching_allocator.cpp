@@ -179,7 +179,7 @@ struct CachingAllocator::Impl {
   // Note [Page recycling]: at rung 3 with expandable segments, the pages the
   // wanted block lacks are first taken from free blocks by moving them
   // (Backend::move_pages), not unmapped there and mapped anew: reserved bytes
-  // do not change and no memory is cleared or created (on the CPU over 40x
+  // do not change and no memory is cleared or created (on the CPU 35-120x
   // faster than unmap + map: bench/bench_page_moves.py). Donors: the free blocks with the most mapped
   // pages first, the wanted block's own pages past `size` last. Returns the
   // bytes moved; pages that could not move are left to Note [Partial release].
