@@ -220,8 +220,8 @@ void HostBackend::unmap_pages(void* ptr, size_t bytes) {
 bool HostBackend::move_pages(void* from, void* to, size_t bytes) {
   // mremap moves the page-table entries: no page is allocated or cleared
   // (bench/bench_page_moves.py: 116 MiB in 1 MiB runs, 1.2-1.3 ms moved
-  // against 44-149 ms unmapped and mapped again). It fails when `from` spans several kernel
-  // mappings; the caller then unmaps and maps.
+  // against 44-149 ms unmapped and mapped again). It fails when `from` spans
+  // several kernel mappings; the caller then unmaps and maps.
   if (mremap(from, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, to) == MAP_FAILED) return false;
   void* reserved = mmap(from, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (reserved == MAP_FAILED) throw std::runtime_error("membudget: HostBackend could not re-reserve moved pages");
