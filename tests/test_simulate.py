@@ -145,3 +145,16 @@ def test_cli_table_and_bad_input(gpt_trace, tmp_path, capsys):
     assert "delta" in out.out and "checkpoint-blocks" in out.out and "24/" not in out.out
     assert main(["simulate", "--budgets", "60%"]) == 2
     assert main(["simulate", str(path), "--budgets", "lots"]) == 2
+
+
+def test_simulated_allocator_takes_the_segment_setting(gpt_trace):
+    """expandable_segments reaches the simulated allocator: fixed segments (2
+    and 20 MiB) and 2 MiB pages mapped on demand reserve differently, and both
+    stay within every feasible budget."""
+    budgets = ["100%", "80%", "60%"]
+    expandable = membudget.simulate(gpt_trace, budgets, ["delta"], "h200", baselines=(), min_tensor_bytes=16 * 1024)
+    fixed = membudget.simulate(gpt_trace, budgets, ["delta"], "h200", baselines=(), min_tensor_bytes=16 * 1024,
+                               expandable_segments=False)
+    assert [r.peak_reserved_bytes for r in expandable] != [r.peak_reserved_bytes for r in fixed]
+    for r in expandable + fixed:
+        assert not r.feasible or r.peak_reserved_bytes <= r.budget_bytes

@@ -43,6 +43,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                    help="comma-separated baselines, or '' for none")
     p.add_argument("--min-tensor-bytes", default="1MiB", help="manage saved tensors from this size (default 1MiB)")
     p.add_argument("--no-floor", action="store_true", help="skip the optimal floor (membudget.optimal)")
+    p.add_argument("--fixed-segments", action="store_true",
+                   help="simulate the allocator with fixed segments (MEMBUDGET_EXPANDABLE_SEGMENTS=0)")
     p.add_argument("--save-trace", metavar="PATH", help="also write the trace here")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", help="plot step-time ratio against budget per policy")
@@ -129,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     try:
         rows = simulate(trace, budgets, policies, args.device, baselines=baselines, min_tensor_bytes=min_bytes,
-                        floor=not args.no_floor, progress=None if args.json else _progress)
+                        expandable_segments=not args.fixed_segments, floor=not args.no_floor,
+                        progress=None if args.json else _progress)
     except (ValueError, ConfigError) as error:
         print(f"membudget simulate: {error}", file=sys.stderr)
         return 2

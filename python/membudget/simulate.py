@@ -77,7 +77,7 @@ def policies() -> List[str]:
 
 def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, capacity: int,
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
-            window: int, actions: str = "swap") -> Dict[str, object]:
+            window: int, actions: str = "swap", expandable_segments: bool = True) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
@@ -87,7 +87,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
-        log_decisions=_log_decisions())
+        log_decisions=_log_decisions(), expandable_segments=expandable_segments)
 
 
 def _log_decisions() -> bool:
@@ -124,7 +124,7 @@ def resolve_budgets(budgets: Sequence[Union[int, str]], reference_peak: int) -> 
 def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optional[Sequence[str]] = None,
              device: Union[str, costs.DeviceModel] = "h200", *, baselines: Sequence[str] = BASELINES,
              min_tensor_bytes: int = 1 << 20, prefetch_bytes: int = 256 << 20, high_watermark: float = 0.8,
-             actions: str = "both",
+             actions: str = "both", expandable_segments: bool = True,
              offload_window: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
@@ -134,8 +134,9 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     :data:`membudget.costs.DEVICES` or a :class:`~membudget.costs.DeviceModel`).
 
     ``min_tensor_bytes``, ``prefetch_bytes``, ``high_watermark`` and
-    ``actions`` (``swap``, ``recompute``, ``both``) are the runtime's settings
-    of the same names (with recompute allowed, a dropped tensor's replay
+    ``actions`` (``swap``, ``recompute``, ``both``) and ``expandable_segments``
+    (the simulated allocator's segments; docs/allocator.md) are the runtime's
+    settings of the same names (with recompute allowed, a dropped tensor's replay
     costs its modelled producer ops, see
     :func:`membudget.replay_program.replay_costs`); ``offload_window`` is the number of
     tensors ``offload-prefetch`` brings back ahead. ``measured`` picks measured
@@ -171,7 +172,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     for name, b in jobs:
         strategy = "manager" if name not in BASELINES else name
         r = _replay(trace, durations, strategy, name, b, capacity, model, min_tensor_bytes, prefetch_bytes,
-                    high_watermark, offload_window, actions)
+                    high_watermark, offload_window, actions, expandable_segments)
         step = float(r["total_s"])
         base = floors.get(b) or compute_total
         rows.append(SimRow(
