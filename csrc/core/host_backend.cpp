@@ -217,12 +217,22 @@ void HostBackend::unmap_pages(void* ptr, size_t bytes) {
   impl_->device_used_bytes.fetch_sub(bytes);
 }
 
+// Linux 5.7+; older headers lack the name (the kernel then refuses the flag
+// and the caller unmaps and maps instead).
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+
 bool HostBackend::move_pages(void* from, void* to, size_t bytes) {
   // mremap moves the page-table entries: no page is allocated or cleared
   // (bench/bench_page_moves.py: 116 MiB in 1 MiB runs, 1.2-1.3 ms moved
-  // against 44-149 ms unmapped and mapped again). It fails when `from` spans
-  // several kernel mappings; the caller then unmaps and maps.
-  if (mremap(from, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, to) == MAP_FAILED) return false;
+  // against 44-149 ms unmapped and mapped again). MREMAP_DONTUNMAP leaves
+  // `from` mapped (and empty) instead of unmapping it, so the reservation
+  // never has a hole another thread's mmap could be given before the
+  // PROT_NONE mapping below replaces it. It fails when `from` spans several
+  // kernel mappings or the kernel lacks the flag; the caller then unmaps and
+  // maps.
+  if (mremap(from, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, to) == MAP_FAILED) return false;
   void* reserved = mmap(from, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (reserved == MAP_FAILED) throw std::runtime_error("membudget: HostBackend could not re-reserve moved pages");
   return true;
