@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -74,8 +75,8 @@ struct CachingAllocator::Impl {
   BlockPool large_pool{false};
   std::unordered_map<const void*, Block*> live_blocks;
   std::map<uintptr_t, Segment> segments;  // by address, for snapshot and teardown
-  // The expandable segment of each (pool, stream), once created.
-  std::map<std::pair<const BlockPool*, Stream>, ExpandableSegment*> expandable_segments;
+  // The (pool, stream) pairs whose expandable segment exists.
+  std::set<std::pair<const BlockPool*, Stream>> expandable_segments;
   // Blocks in the "awaiting" state (Note [Block states]), one entry per event.
   std::vector<std::pair<EventPtr, Block*>> awaiting;
   AllocatorStats stats;
@@ -120,11 +121,11 @@ struct CachingAllocator::Impl {
         block = mapped;
       } else {
         pool.erase(block);
+        if (!back_with_pages(block, size)) {
+          pool.insert(block);
+          return nullptr;
+        }
       }
-    }
-    if (!back_with_pages(block, size)) {
-      pool.insert(block);
-      return nullptr;
     }
     if (pool.should_split(block, size)) pool.insert(pool.split(block, size));
     return block;
@@ -176,28 +177,36 @@ struct CachingAllocator::Impl {
     return true;
   }
 
+  // Free blocks of expandable segments other than `except` with mapped pages
+  // wholly inside them, most mapped bytes first: the donors of Note [Page
+  // recycling] and the victims of Note [Partial release].
+  std::vector<std::pair<size_t, Block*>> free_blocks_by_mapped_bytes(const Block* except) const {
+    std::vector<std::pair<size_t, Block*>> found;
+    for (const BlockPool* pool : {&small_pool, &large_pool}) {
+      for (Block* block : pool->free_blocks()) {
+        if (block == except || block->expandable == nullptr) continue;
+        const size_t bytes = block->expandable->mapped_bytes_inside(block->ptr, block->size);
+        if (bytes > 0) found.emplace_back(bytes, block);
+      }
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    return found;
+  }
+
   // Note [Page recycling]: at rung 3 with expandable segments, the pages the
   // wanted block lacks are first taken from free blocks by moving them
   // (Backend::move_pages), not unmapped there and mapped anew: reserved bytes
   // do not change and no memory is cleared or created (on the CPU 35-120x
-  // faster than unmap + map: bench/bench_page_moves.py). Donors: the free blocks with the most mapped
-  // pages first, the wanted block's own pages past `size` last. Returns the
-  // bytes moved; pages that could not move are left to Note [Partial release].
+  // faster than unmap + map: bench/bench_page_moves.py). Donors: the free
+  // blocks with the most mapped pages first, the wanted block's own pages
+  // past `size` last. Returns the bytes moved; pages that could not move are
+  // left to Note [Partial release].
   size_t recycle_pages_into(const Block* target, size_t size) {
     ExpandableSegment& to = *target->expandable;
     ExpandableSegment::PageRuns wanted = to.unmapped_runs_touching(target->ptr, size);
     size_t wanted_pages = 0;
     for (const auto& run : wanted) wanted_pages += run.second;
     if (wanted_pages == 0) return 0;
-    std::vector<std::pair<size_t, const Block*>> donors;
-    for (BlockPool* pool : {&small_pool, &large_pool}) {
-      for (const Block* block : pool->free_blocks()) {
-        if (block == target || block->expandable == nullptr) continue;
-        const size_t bytes = block->expandable->mapped_bytes_inside(block->ptr, block->size);
-        if (bytes > 0) donors.emplace_back(bytes, block);
-      }
-    }
-    std::sort(donors.begin(), donors.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     struct SourceRun {
       ExpandableSegment* segment;
       size_t page;
@@ -213,7 +222,9 @@ struct CachingAllocator::Impl {
         found += count;
       }
     };
-    for (const auto& donor : donors) take_from(donor.second->expandable, donor.second->ptr, donor.second->size);
+    for (const auto& donor : free_blocks_by_mapped_bytes(target)) {
+      take_from(donor.second->expandable, donor.second->ptr, donor.second->size);
+    }
     if (target->size > size) take_from(&to, target->ptr + size, target->size - size);
     // Pair source runs with wanted runs, moving the overlap of the two heads.
     size_t moved_pages = 0;
@@ -238,22 +249,12 @@ struct CachingAllocator::Impl {
   // shortfall of the block rung 1 wanted, from the free blocks with the most
   // mapped pages first (fewest calls), and from that block itself last and
   // only past the bytes it was wanted for (those would only be mapped
-  // again). Releasing every free page instead, as
-  // PyTorch's empty_cache does, makes each allocation near the budget unmap
-  // memory that the next ones map and fault in again.
+  // again). Releasing every free page instead, as PyTorch's empty_cache does,
+  // makes each allocation near the budget unmap memory that the next ones map
+  // and fault in again.
   size_t release_free_pages(size_t wanted, const Block* keep, size_t keep_bytes) {
-    std::vector<std::pair<size_t, Block*>> mapped;
-    for (BlockPool* pool : {&small_pool, &large_pool}) {
-      for (Block* block : pool->free_blocks()) {
-        if (block == keep || block->expandable == nullptr) continue;
-        const size_t bytes = block->expandable->mapped_bytes_inside(block->ptr, block->size);
-        if (bytes > 0) mapped.emplace_back(bytes, block);
-      }
-    }
-    std::sort(mapped.begin(), mapped.end(),
-              [](const auto& a, const auto& b) { return a.first > b.first; });
     size_t released = 0;
-    for (const auto& entry : mapped) {
+    for (const auto& entry : free_blocks_by_mapped_bytes(keep)) {
       if (released >= wanted) break;
       released += entry.second->expandable->unmap_inside(entry.second->ptr, entry.second->size);
     }
@@ -283,7 +284,7 @@ struct CachingAllocator::Impl {
     if (segment->base() == nullptr) return nullptr;
     auto* block = new Block(segment->base(), segment->size(), stream, &pool);
     block->expandable = segment.get();
-    expandable_segments.emplace(key, segment.get());
+    expandable_segments.insert(key);
     const size_t virtual_size = segment->size();
     segments.emplace(reinterpret_cast<uintptr_t>(block->ptr), Segment{block, virtual_size, std::move(segment)});
     ++stats.num_segments;

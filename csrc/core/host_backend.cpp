@@ -130,6 +130,17 @@ struct HostBackend::Impl {
   const size_t capacity_bytes;
   std::atomic<size_t> device_used_bytes{0};
 
+  // Counts `bytes` against the capacity; false (nothing counted) beyond it.
+  // Reserve first, undo on failure: concurrent callers never overshoot.
+  bool claim_device_bytes(size_t bytes) {
+    size_t before = device_used_bytes.fetch_add(bytes);
+    if (before + bytes > capacity_bytes) {
+      device_used_bytes.fetch_sub(bytes);
+      return false;
+    }
+    return true;
+  }
+
   // Note [Virtual streams]: the held streams and their pending events.
   std::mutex streams_mutex;
   std::unordered_map<Stream, std::vector<std::shared_ptr<HostEvent>>> held_streams;
@@ -160,12 +171,7 @@ size_t HostBackend::device_bytes_in_use() const {
 }
 
 void* HostBackend::device_alloc(size_t bytes) {
-  // Reserve first, undo on failure: concurrent callers never overshoot.
-  size_t before = impl_->device_used_bytes.fetch_add(bytes);
-  if (before + bytes > impl_->capacity_bytes) {
-    impl_->device_used_bytes.fetch_sub(bytes);
-    return nullptr;
-  }
+  if (!impl_->claim_device_bytes(bytes)) return nullptr;
   void* ptr = aligned_or_null(bytes);
   if (ptr == nullptr) impl_->device_used_bytes.fetch_sub(bytes);
   return ptr;
@@ -192,11 +198,7 @@ void HostBackend::release_address_range(void* base, size_t bytes) {
 }
 
 bool HostBackend::map_pages(void* ptr, size_t bytes) {
-  size_t before = impl_->device_used_bytes.fetch_add(bytes);
-  if (before + bytes > impl_->capacity_bytes) {
-    impl_->device_used_bytes.fetch_sub(bytes);
-    return false;
-  }
+  if (!impl_->claim_device_bytes(bytes)) return false;
   // MAP_POPULATE faults the pages in here, in one call, as cudaMalloc'd
   // memory is backed at once: mapping happens only on the allocation path
   // (never to be touched later at a page fault per 4 KiB).
