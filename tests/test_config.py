@@ -291,7 +291,7 @@ def test_env_table_mentions_every_variable():
     assert lines[0] == "| Variable | Default | Accepted values | Meaning |"
     names = {"MEMBUDGET_BUDGET", "MEMBUDGET_HOST_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_ACTIONS",
              "MEMBUDGET_MIN_TENSOR_BYTES", "MEMBUDGET_PREFETCH_BYTES", "MEMBUDGET_HIGH_WATERMARK",
-             "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS"}
+             "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS", "MEMBUDGET_RECOMPUTE_AHEAD"}
     assert {variable.name for variable in VARIABLES} == names
     for name in names:
         assert f"`{name}`" in table
@@ -338,3 +338,24 @@ def test_expandable_segments_switch(value, expected):
 def test_expandable_segments_rejects_other_words():
     with pytest.raises(ConfigError, match="MEMBUDGET_EXPANDABLE_SEGMENTS='maybe' is not a switch"):
         Config.from_env({"MEMBUDGET_EXPANDABLE_SEGMENTS": "maybe"})
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), (" AUTO ", "auto"), ("1", "on"), ("on", "on"),
+                                             (True, "on"), ("0", "off"), ("no", "off")])
+def test_recompute_ahead_setting(value, expected):
+    assert Config.from_env({}, recompute_ahead=value).recompute_ahead == expected
+    assert Config.from_env({}).recompute_ahead == "auto"
+
+
+def test_recompute_ahead_bad_value_names_variable():
+    with pytest.raises(ConfigError, match="MEMBUDGET_RECOMPUTE_AHEAD='sometimes'.*auto, 1 or 0"):
+        Config.from_env({"MEMBUDGET_RECOMPUTE_AHEAD": "sometimes"})
+
+
+def test_recompute_ahead_auto_resolves_per_device():
+    from membudget.config import RECOMPUTE_AHEAD_AUTO, resolve_recompute_ahead
+
+    for device, on in RECOMPUTE_AHEAD_AUTO.items():
+        assert resolve_recompute_ahead("auto", device) is on
+        assert resolve_recompute_ahead("on", device) is True
+        assert resolve_recompute_ahead("off", device) is False

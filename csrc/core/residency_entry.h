@@ -11,7 +11,9 @@
 namespace membudget {
 
 // resident -> swapping_out -> resident+host copy -> host -> swapping_in -> resident,
-// or resident -> dropped -> recomputing -> resident (Note [Recompute]).
+// or resident -> dropped -> recomputing -> resident (Note [Recompute]); an entry
+// recomputed ahead of use stays recomputing, with a copy_event_, until its
+// replay on a side stream completes (Note [Recompute ahead]).
 // Note [Host copies]: a storage is only copied to host while nothing but the
 // manager references it, so nobody can write it afterwards; a host copy once
 // complete therefore stays valid for the entry's life, and evicting an entry
@@ -25,6 +27,23 @@ namespace membudget {
 // attaches the new storage and calls complete_recompute(). An entry is
 // droppable only after the binding declared it recomputable
 // (set_recompute_info), with its replay cost and the entries it reads.
+//
+// Note [Recompute ahead]: after the prefetcher has issued its swap-ins (and
+// only if none of them was refused for lack of room: copies overlap for free,
+// a replay costs compute), it walks the next few predicted unpacks
+// (kMaxAheadUnpacks) within its window; a dropped entry whose managed inputs
+// are all resident is queued for replay ahead of its use (when the config
+// asks for it) if free memory (no eviction) holds it: the entry becomes
+// recomputing and pinned, and the binding takes the queue
+// (take_recompute_ahead), replays each entry (on CUDA on a side stream)
+// between begin_recompute_ahead and complete_recompute_ahead, and hands back
+// the event the consumer must wait for. The replay's allocations evict
+// nothing: a speculative replay that does not fit in free memory is given up
+// (dropped again, Note [Speculative allocations]), since one that makes room
+// drops entries that then need replays of their own. An entry still queued
+// when backward unpacks it is replayed on demand as any dropped entry; one
+// whose replay is still running on a side stream is waited for as a swap-in
+// is. The prefetch window counts it from queueing to its unpack.
 enum class Residency : uint8_t { resident, swapping_out, host, swapping_in, dropped, recomputing };
 
 const char* residency_name(Residency state);
@@ -58,11 +77,14 @@ class ResidencyEntry {
   // Everything below is guarded by the manager's mutex.
   Residency state_ = Residency::resident;
   bool registered_ = false;
-  bool prefetched_ = false;   // a swap-in was issued by the prefetcher
+  bool prefetched_ = false;   // a swap-in (or replay) was issued by the prefetcher
+  // Note [Recompute ahead]
+  bool ahead_queued_ = false;      // queued for a replay ahead of use, not begun
+  bool recomputed_ahead_ = false;  // rebuilt ahead of use, not unpacked since
   int pins_ = 0;              // >0 while the manager itself is working on it
   void* host_copy_ = nullptr; // host tier block, bytes() long
   bool host_valid_ = false;   // host copy complete (Note [Host copies])
-  EventPtr copy_event_;       // in-flight swap-out or swap-in
+  EventPtr copy_event_;       // in-flight swap-out, swap-in or replay ahead
   uint64_t last_access_ = 0;  // logical clock
   uint64_t iteration_ = 0;
   uint64_t pack_seq_ = 0;     // order of first pack within its iteration

@@ -98,6 +98,7 @@ void ResidencyManager::unregister_entry(ResidencyEntry* entry) {
     finish_copy(entry);
   }
   clear_prefetch(entry);
+  unqueue_recompute_ahead(entry);
   if (entry->host_copy_ != nullptr) {
     host_tier_.deallocate(entry->host_copy_);
     entry->host_copy_ = nullptr;
@@ -261,6 +262,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   entry->drop_device_copy();
   entry->state_ = Residency::host;
   clear_prefetch(entry);  // brought in ahead of use, then evicted before it: wasted
+  note_evicted_before_use(entry);
   counters_.evicted_bytes += entry->bytes();
   ++counters_.eviction_count;
   return entry->bytes();
@@ -361,6 +363,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   unpacked_since_pack_ = true;
   if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
   const bool was_prefetched = clear_prefetch(entry);
+  entry->recomputed_ahead_ = false;
   switch (entry->state_) {
     case Residency::resident:
     case Residency::swapping_out:
@@ -382,8 +385,24 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       counters_.stall_seconds += seconds_since(backend_, start);
       break;
     }
+    case Residency::recomputing:
+      if (entry->copy_event_) {  // replayed ahead on a side stream (Note [Recompute ahead])
+        auto start = backend_.clock_now();
+        backend_.stream_wait(stream, entry->copy_event_);
+        counters_.stall_seconds += seconds_since(backend_, start);
+        finish_copy(entry);
+        if (was_prefetched) ++counters_.prefetch_hits;
+        break;
+      }
+      if (entry->ahead_queued_) {
+        // Queued ahead but not begun: replayed on demand now, under the pin
+        // the queue took (released by unpin() after complete_recompute()).
+        unqueue_recompute_ahead(entry);
+        issue_prefetches(stream);
+        return nullptr;
+      }
+      [[fallthrough]];  // another thread replays it too: both replay (rare)
     case Residency::dropped:
-    case Residency::recomputing:  // another thread replays it too: both replay (rare)
       entry->state_ = Residency::recomputing;
       ++entry->pins_;  // released by unpin() after complete_recompute()
       issue_prefetches(stream);
@@ -409,6 +428,9 @@ void ResidencyManager::issue_prefetches(Stream stream) {
                                  static_cast<size_t>(kMaxPrefetchBudgetFraction * static_cast<double>(budget)));
   const int64_t now = order_.current_position();
   int64_t cursor = std::max(prefetch_cursor_, now);
+  // A prefetch issued from inside a replay ahead keeps that replay's horizon.
+  const int64_t outer_horizon = eviction_horizon_;
+  bool starved = false;  // a swap-in wanted memory it could not have
   for (; cursor < order_.predicted_length(); ++cursor) {
     if (prefetch_outstanding_bytes_ >= window) break;
     uint64_t seq = order_.predicted_at(cursor);
@@ -425,17 +447,25 @@ void ResidencyManager::issue_prefetches(Stream stream) {
         room += c.bytes;
         if (room >= entry->bytes()) break;
       }
-      if (room < entry->bytes()) break;
+      if (room < entry->bytes()) {
+        starved = true;
+        break;
+      }
     }
     eviction_horizon_ = distance;
     const bool issued = swap_in(entry, stream, /*wait=*/false);
-    eviction_horizon_ = -1;
-    if (!issued) break;
+    eviction_horizon_ = outer_horizon;
+    if (!issued) {
+      starved = true;
+      break;
+    }
     entry->prefetched_ = true;
     prefetch_outstanding_bytes_ += entry->bytes();
     ++counters_.prefetch_issued;
   }
   prefetch_cursor_ = cursor;
+  // Copies come first: they overlap for free, a replay costs compute.
+  if (config_.recompute_ahead && !starved) queue_replays_ahead(now, window);
 }
 
 void ResidencyManager::maybe_start_background_swaps() {

@@ -13,6 +13,7 @@
 // Pack sequence numbers restart at 0, and the unpack order of the iteration
 // that just ended becomes the prediction for prefetch and the delta filter.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -39,6 +40,9 @@ struct ManagerConfig {
   std::string actions = "both";        // swap | recompute | both (the director's choices)
   double link_bytes_per_s = 10e9;      // host link until copies measure it
   bool log_decisions = false;          // one line per eviction on stderr, with its reason
+  // Note [Recompute ahead]: the prefetcher also queues dropped entries for
+  // replay ahead of use (within the same window).
+  bool recompute_ahead = false;
 };
 
 struct ManagerStats {
@@ -67,6 +71,10 @@ struct ManagerStats {
   size_t recompute_count = 0;        // dropped entries brought back by replay
   size_t recompute_bytes = 0;
   double recompute_seconds = 0.0;    // time spent replaying
+  // Note [Recompute ahead]
+  size_t recomputed_ahead_count = 0; // replays ahead of use completed (also in recompute_count)
+  size_t recompute_ahead_failed = 0; // replays ahead that failed (no room): dropped again
+  size_t recompute_ahead_wasted = 0; // rebuilt ahead, then evicted again before its use
   size_t evictions_wasted = 0;       // evictions that freed no usable range for their request
   double link_bytes_per_s = 0.0;     // measured host link bandwidth (EMA)
   uint64_t iteration = 0;
@@ -121,6 +129,25 @@ class ResidencyManager final : public Evictor {
   // attached the new device copy; `seconds` is the replay's duration.
   void complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds);
 
+  // Note [Recompute ahead]. The ids of the entries the prefetcher queued for
+  // replay ahead of use since the last call (the queue is emptied); each is
+  // recomputing and pinned until begun and completed, or unpacked.
+  std::vector<uint64_t> take_recompute_ahead();
+  // Whether anything is queued for replay ahead (cheap; no lock).
+  bool recompute_ahead_pending() const { return ahead_pending_.load(std::memory_order_relaxed); }
+  // Starts the replay of a queued entry: false when it is no longer queued
+  // (unpacked meanwhile, or gone); then the caller must not replay it. Until
+  // complete_recompute_ahead, evictions spare entries needed sooner than it.
+  bool begin_recompute_ahead(ResidencyEntry* entry);
+  // Ends it: on success the caller has attached the new device copy, and
+  // `ready` (null: ready now) completes when the replay's work has run; the
+  // unpack waits for it as for a swap-in. On failure the entry is dropped again.
+  void complete_recompute_ahead(ResidencyEntry* entry, bool succeeded, double seconds, EventPtr ready);
+  // Whether materialize() of this entry would wait for a copy still in
+  // flight (a swap-in not complete): where the host backend's compute thread
+  // has nothing to do but could replay ahead instead.
+  bool copy_pending(ResidencyEntry* entry);
+
   // Evictor: releases evictable entries until `bytes_needed` are freed.
   size_t evict(size_t bytes_needed, Stream stream) override;
   std::string describe_evictable() const override;
@@ -158,6 +185,16 @@ class ResidencyManager final : public Evictor {
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
   void issue_prefetches(Stream stream);
+  // Note [Recompute ahead]: whether a dropped entry may be replayed ahead
+  // now (allowed, recomputable, every managed input resident).
+  bool may_recompute_ahead(const ResidencyEntry* entry) const;
+  void queue_recompute_ahead(ResidencyEntry* entry);
+  // Queues the dropped entries used within the next few predicted unpacks
+  // that free memory and the prefetch window hold.
+  void queue_replays_ahead(int64_t now, size_t window);
+  void unqueue_recompute_ahead(ResidencyEntry* entry);
+  // An entry rebuilt ahead leaves the device before its use.
+  void note_evicted_before_use(ResidencyEntry* entry);
   bool is_evictable(const ResidencyEntry* entry) const;
   // Recompute and the director (residency_recompute.cpp).
   ResidencyEntry* find(uint64_t id) const;
@@ -201,6 +238,8 @@ class ResidencyManager final : public Evictor {
   int64_t prefetch_cursor_ = 0;
   size_t prefetch_outstanding_bytes_ = 0;
   int64_t eviction_horizon_ = -1;                 // during prefetch: protect nearer uses
+  std::vector<ResidencyEntry*> ahead_queue_;      // Note [Recompute ahead]
+  std::atomic<bool> ahead_pending_{false};        // ahead_queue_ is not empty
   ManagerStats counters_;
 };
 

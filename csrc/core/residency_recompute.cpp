@@ -121,7 +121,9 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
   facts.recompute_seconds = c.recompute_seconds;
   facts.link_bytes_per_s = link_bytes_per_s_;
   for (const ResidencyEntry* busy : in_flight_) {
-    (busy->state_ == Residency::swapping_out ? facts.d2h_queued_bytes : facts.h2d_queued_bytes) += busy->bytes();
+    if (busy->state_ == Residency::swapping_out) facts.d2h_queued_bytes += busy->bytes();
+    if (busy->state_ == Residency::swapping_in) facts.h2d_queued_bytes += busy->bytes();
+    // (a replay ahead on a side stream, recomputing, is no copy)
   }
   facts.seconds_until_next_use = seconds_until_next_use(c);
   return decide(facts, allowed_);
@@ -135,6 +137,7 @@ size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   entry->drop_device_copy();
   entry->state_ = Residency::dropped;
   clear_prefetch(entry);
+  note_evicted_before_use(entry);
   if (entry->host_copy_ != nullptr && !entry->host_valid_) {
     host_tier_.deallocate(entry->host_copy_);
     entry->host_copy_ = nullptr;

@@ -78,6 +78,13 @@ void* SimBackend::host_alloc(size_t bytes) {
 
 void SimBackend::host_free(void*, size_t) {}
 
+EventPtr SimBackend::run_side_compute(double seconds, double overlap) {
+  const double start = std::max(clock_->now, side_stream_free_at_);
+  side_stream_free_at_ = start + seconds;
+  run_compute((1.0 - std::clamp(overlap, 0.0, 1.0)) * seconds);
+  return std::make_shared<SimEvent>(clock_, side_stream_free_at_);
+}
+
 EventPtr SimBackend::record(Stream) {
   // The compute stream is the caller: its work so far is done by now.
   return std::make_shared<SimEvent>(clock_, clock_->now);

@@ -10,6 +10,19 @@
 // the clock reaches its end. Waiting for an event that is not ready (a
 // synchronous swap, an unpack whose swap-in is still in flight) moves the
 // clock to the event's end and counts the difference as stall.
+//
+// Note [Side stream contention]: a replay ahead of use (Note [Recompute
+// ahead]) runs on a side compute stream, concurrently with backward. A GPU
+// running backward kernels is mostly busy, so concurrency does not make the
+// replay free: of its `s` seconds (its duration on an idle device) only the
+// fraction `overlap` fills resources backward leaves idle (launch gaps,
+// memory-bound phases, tails of kernels); the rest, (1 - overlap) x s, delays
+// the compute stream as the two streams' kernels share the SMs. The replay is
+// done s seconds after it starts (the side stream is a queue: it starts once
+// the previous side-stream replay is done). overlap = 0 is the pessimistic
+// bound (no better than replaying at the unpack), 1 the optimistic one (a
+// free side stream). No value is measured here (no GPU): the simulator takes
+// it as a parameter and the bench reports a range.
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -57,6 +70,10 @@ class SimBackend final : public Backend {
   std::chrono::steady_clock::time_point clock_now() const override;
   // The compute stream runs for `seconds` (an op's modelled duration).
   void run_compute(double seconds);
+  // Queues `seconds` of replay on the side compute stream and returns its
+  // completion; the compute stream loses (1 - overlap) x seconds to it (Note
+  // [Side stream contention]).
+  EventPtr run_side_compute(double seconds, double overlap);
   double now() const { return clock_->now; }
   double stall_seconds() const { return clock_->stall_seconds; }
   // Seconds one copy of `bytes` occupies a copy stream.
@@ -75,6 +92,7 @@ class SimBackend final : public Backend {
   uintptr_t next_host_address_;
   size_t device_in_use_ = 0;
   double copy_stream_free_at_[2] = {0.0, 0.0};  // indexed by CopyDirection
+  double side_stream_free_at_ = 0.0;            // Note [Side stream contention]
   size_t copied_bytes_[2] = {0, 0};
   // End times of queued copies, per direction, for pending_copies(); the
   // finished ones are dropped lazily there.

@@ -3,6 +3,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -137,7 +138,7 @@ class Replayer {
     start_stall_ = backend_.stall_seconds();
     start_d2h_ = backend_.copied_bytes(CopyDirection::device_to_host);
     start_h2d_ = backend_.copied_bytes(CopyDirection::host_to_device);
-    compute_s_ = recompute_s_ = 0.0;
+    compute_s_ = recompute_s_ = recompute_ahead_s_ = 0.0;
   }
 
   void finish(ReplayResult& r) {
@@ -157,6 +158,10 @@ class Replayer {
     r.drop_count = m.drop_count;
     r.prefetch_hits = m.prefetch_hits;
     r.prefetch_misses = m.prefetch_misses;
+    r.recomputed_ahead_count = m.recomputed_ahead_count;
+    r.recompute_ahead_wasted = m.recompute_ahead_wasted;
+    r.recompute_ahead_failed = m.recompute_ahead_failed;
+    r.recompute_ahead_s = recompute_ahead_s_;
   }
 
   void step(size_t i) {
@@ -198,6 +203,7 @@ class Replayer {
   void free(int64_t id) {
     SimTensor& t = tensors_[id];
     if (t.entry) {
+      by_entry_id_.erase(t.entry->id());
       manager_.unregister_entry(t.entry.get());
       t.entry->free_device_copy();
       t.entry.reset();
@@ -222,6 +228,7 @@ class Replayer {
     if (t.device == nullptr) return;  // not device-resident: nothing to manage
     t.entry = std::make_unique<SimulatedActivation>(bytes_of(id), device_, t.device);
     t.device = nullptr;
+    by_entry_id_[t.entry->id()] = id;
     manager_.register_entry(t.entry.get());
     if (recomputable(id)) {
       std::vector<uint64_t> input_ids;
@@ -251,6 +258,46 @@ class Replayer {
     if (manager_.materialize(t.entry.get(), nullptr) == nullptr) rebuild(id, 0);
     t.entry->set_referenced(true);
     manager_.unpin(t.entry.get());
+    if (manager_.recompute_ahead_pending()) recompute_ahead();
+  }
+
+  // Note [Recompute ahead]: replays what the prefetcher queued, each on the
+  // side stream, as the CUDA binding does. A replay that finds no room (its
+  // allocation may evict only entries needed later) is dropped again.
+  void recompute_ahead() {
+    for (int round = 0; round < 8 && manager_.recompute_ahead_pending(); ++round) {
+      for (uint64_t entry_id : manager_.take_recompute_ahead()) {
+        auto found = by_entry_id_.find(entry_id);
+        if (found == by_entry_id_.end()) continue;
+        const int64_t id = found->second;
+        SimulatedActivation* entry = tensors_[id].entry.get();
+        if (!manager_.begin_recompute_ahead(entry)) continue;
+        std::vector<SimulatedActivation*> inputs;
+        EventPtr ready;
+        bool succeeded = false;
+        const double seconds = program_.replay_seconds[id];
+        try {
+          for (int64_t input : replay_inputs(id)) {
+            SimulatedActivation* e = tensors_[input].entry.get();
+            if (manager_.materialize(e, nullptr) == nullptr) rebuild(input, 1);
+            inputs.push_back(e);
+          }
+          // Speculative: no room is no OOM (Note [Speculative allocations]).
+          void* ptr = device_.try_allocate(bytes_of(id));
+          if (ptr == nullptr) throw OutOfMemory("no room for a replay ahead", bytes_of(id));
+          entry->attach_device_copy(ptr);
+          const double before = backend_.now();
+          ready = backend_.run_side_compute(seconds, config_.side_stream_overlap);
+          recompute_s_ += backend_.now() - before;  // the compute stream's share
+          recompute_ahead_s_ += seconds;
+          succeeded = true;
+        } catch (const OutOfMemory&) {
+          // Speculative: replayed on demand at its unpack instead.
+        }
+        manager_.complete_recompute_ahead(entry, succeeded, seconds, std::move(ready));
+        for (SimulatedActivation* e : inputs) manager_.unpin(e);
+      }
+    }
   }
 
   bool recomputable(int64_t id) const {
@@ -339,6 +386,8 @@ class Replayer {
   ResidencyManager manager_;
   PendingFrees pending_frees_;
   std::vector<SimTensor> tensors_;
+  std::unordered_map<uint64_t, int64_t> by_entry_id_;  // manager entry id -> tensor id
+  double recompute_ahead_s_ = 0.0;
   double start_time_ = 0.0, start_stall_ = 0.0;
   size_t start_d2h_ = 0, start_h2d_ = 0;
   double compute_s_ = 0.0, recompute_s_ = 0.0;

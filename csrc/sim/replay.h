@@ -16,7 +16,10 @@
 // dropped, the driver does what the torch binding's lineage replay does:
 // materialize its managed inputs (recursively rebuilding dropped ones),
 // allocate it, run the compute stream for the replay cost (counted as
-// recompute) and complete_recompute().
+// recompute) and complete_recompute(). With the manager's recompute_ahead on,
+// after each unpack the driver replays what the prefetcher queued as the CUDA
+// binding does: at once, on a side stream (Note [Side stream contention] in
+// sim_backend.h), the unpack waiting for its event.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -63,8 +66,11 @@ struct ReplayConfig {
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
   bool expandable_segments = true;     // as the runtime's default
-  ManagerConfig manager;               // policy, actions, prefetch, watermark, link
+  ManagerConfig manager;               // policy, actions, prefetch, watermark, link, recompute_ahead
   int iterations = 2;
+  // Note [Side stream contention]: the share of a side-stream replay that
+  // backward's kernels leave room for (0: none, 1: all).
+  double side_stream_overlap = 0.25;
 };
 
 struct ReplayResult {
@@ -85,6 +91,10 @@ struct ReplayResult {
   size_t recompute_count = 0;
   size_t prefetch_hits = 0;
   size_t prefetch_misses = 0;
+  size_t recomputed_ahead_count = 0;   // Note [Recompute ahead]
+  size_t recompute_ahead_wasted = 0;
+  size_t recompute_ahead_failed = 0;
+  double recompute_ahead_s = 0.0;      // side-stream replay seconds (their compute-stream share is in recompute_s)
 };
 
 // Runs the program (Note [Replay programs]); never throws for an OOM, which

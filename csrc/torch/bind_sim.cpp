@@ -32,6 +32,10 @@ py::dict to_dict(const ReplayResult& r) {
   d["recompute_count"] = r.recompute_count;
   d["prefetch_hits"] = r.prefetch_hits;
   d["prefetch_misses"] = r.prefetch_misses;
+  d["recomputed_ahead_count"] = r.recomputed_ahead_count;
+  d["recompute_ahead_wasted"] = r.recompute_ahead_wasted;
+  d["recompute_ahead_failed"] = r.recompute_ahead_failed;
+  d["recompute_ahead_s"] = r.recompute_ahead_s;
   return d;
 }
 
@@ -46,7 +50,7 @@ void bind_sim(py::module_& m) {
          double link_bytes_per_s, bool use_manager, const std::string& policy, size_t prefetch_bytes,
          double high_watermark, int iterations, const std::string& actions, std::vector<double> replay_seconds,
          std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments,
-         bool log_decisions) {
+         bool log_decisions, bool recompute_ahead, double side_stream_overlap) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
                               prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
                               std::move(replay_inputs)};
@@ -61,6 +65,8 @@ void bind_sim(py::module_& m) {
         config.manager.actions = actions;
         config.manager.link_bytes_per_s = link_bytes_per_s;
         config.manager.log_decisions = log_decisions;
+        config.manager.recompute_ahead = recompute_ahead;
+        config.side_stream_overlap = side_stream_overlap;
         config.iterations = iterations;
         config.expandable_segments = expandable_segments;
         ReplayResult result;
@@ -76,7 +82,7 @@ void bind_sim(py::module_& m) {
       py::arg("high_watermark"), py::arg("iterations") = 2, py::arg("actions") = "swap",
       py::arg("replay_seconds") = std::vector<double>{}, py::arg("replay_input_offsets") = std::vector<int64_t>{},
       py::arg("replay_inputs") = std::vector<int64_t>{}, py::arg("expandable_segments") = true,
-      py::arg("log_decisions") = false,
+      py::arg("log_decisions") = false, py::arg("recompute_ahead") = false, py::arg("side_stream_overlap") = 0.25,
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");

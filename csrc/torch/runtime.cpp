@@ -33,6 +33,7 @@ ManagerConfig manager_config(const RuntimeConfig& config) {
   m.log_decisions = config.log_decisions;
   m.actions = config.actions;
   m.link_bytes_per_s = config.link_bytes_per_s;
+  m.recompute_ahead = config.recompute_ahead;
   return m;
 }
 
@@ -48,6 +49,7 @@ RuntimeConfig config_from_dict(const py::dict& d) {
   if (d.contains("log_decisions")) c.log_decisions = d["log_decisions"].cast<bool>();
   if (d.contains("link_bytes_per_s")) c.link_bytes_per_s = d["link_bytes_per_s"].cast<double>();
   if (d.contains("expandable_segments")) c.expandable_segments = d["expandable_segments"].cast<bool>();
+  if (d.contains("recompute_ahead")) c.recompute_ahead = d["recompute_ahead"].cast<bool>();
   return c;
 }
 
@@ -116,6 +118,9 @@ py::dict memory_stats() {
   d["recompute_count"] = m.recompute_count;
   d["recompute_bytes"] = m.recompute_bytes;
   d["recompute_seconds"] = m.recompute_seconds;
+  d["recomputed_ahead_count"] = m.recomputed_ahead_count;
+  d["recompute_ahead_failed"] = m.recompute_ahead_failed;
+  d["recompute_ahead_wasted"] = m.recompute_ahead_wasted;
   d["drop_count"] = m.drop_count;
   d["dropped_bytes"] = m.dropped_bytes;
   d["planned_drops"] = m.planned_drops;
@@ -169,9 +174,22 @@ void Runtime::reconfigure(const RuntimeConfig& config) {
   config_ = config;
 }
 
+namespace {
+thread_local bool t_speculative = false;  // Note [Speculative allocations]
+}  // namespace
+
+SpeculativeAllocations::SpeculativeAllocations() : previous_(t_speculative) { t_speculative = true; }
+SpeculativeAllocations::~SpeculativeAllocations() { t_speculative = previous_; }
+
 void* allocate_device_for_torch(size_t bytes, Stream stream) {
   Runtime* runtime = Runtime::get();
   TORCH_CHECK(runtime != nullptr, "membudget: allocation through membudget before install() created the runtime");
+  if (t_speculative && bytes > 0) {
+    void* ptr = runtime->device_allocator().try_allocate(bytes, stream);
+    TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "membudget: no room for a speculative allocation of ",
+                     bytes, " bytes (a replay ahead of use; it is replayed on demand instead)");
+    return ptr;
+  }
   try {
     return runtime->device_allocator().allocate(bytes, stream);
   } catch (const OutOfMemory& oom) {

@@ -25,6 +25,8 @@ struct RuntimeConfig {
   double link_bytes_per_s = 10e9; // host link until copies measure it
   // Note [Expandable segments]; fixed when the runtime is created.
   bool expandable_segments = true;
+  // Note [Recompute ahead]: resolved by install() ("auto" per device).
+  bool recompute_ahead = false;
 };
 
 class Runtime {
@@ -65,5 +67,21 @@ class Runtime {
 void* allocate_device_for_torch(size_t bytes, Stream stream);
 // Frees memory returned by allocate_device_for_torch.
 void free_device_for_torch(void* ptr);
+
+// Note [Speculative allocations]: while one of these is alive on a thread,
+// an allocation there that the budget cannot fit (after eviction) fails with
+// c10::OutOfMemoryError without counting as an out-of-memory (num_ooms): it
+// belongs to work that is given up on failure, a replay ahead of use (Note
+// [Recompute ahead]), and is done again, on demand, when it is needed.
+class SpeculativeAllocations {
+ public:
+  SpeculativeAllocations();
+  ~SpeculativeAllocations();
+  SpeculativeAllocations(const SpeculativeAllocations&) = delete;
+  SpeculativeAllocations& operator=(const SpeculativeAllocations&) = delete;
+
+ private:
+  bool previous_;
+};
 
 }  // namespace membudget

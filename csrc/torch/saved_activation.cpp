@@ -18,9 +18,19 @@ std::mutex g_registry_mutex;
 std::unordered_map<const c10::StorageImpl*, std::weak_ptr<StorageResidency>> g_registry;
 // Entry id -> residency, for the lineage's replays (entry_storage_tensor).
 std::unordered_map<uint64_t, std::weak_ptr<StorageResidency>> g_by_id;
-// The lineage's replay function: entry id -> a tensor whose storage is the
-// rebuilt entry. Leaked: it may be called until interpreter exit.
+// The lineage's replay function: (entry id, ahead) -> a tensor whose storage
+// is the rebuilt entry, or for a replay ahead on a side stream (tensor,
+// cudaStream_t as int). Leaked: it may be called until interpreter exit.
 py::object* g_recompute_fn = nullptr;
+// Note [Recompute ahead timing]: when the binding replays the entries the
+// prefetcher queued. On CUDA at once, on a side stream: the compute stream
+// only waits for the replay's event at the unpack. On the CPU the replay runs
+// on the calling thread, the same core backward computes on, so replaying
+// early gains nothing by itself; it is done only when this thread would
+// otherwise sit waiting for a swap-in still being copied by the host
+// backend's copy thread. `immediate` on the CPU is for benchmarks and tests.
+enum class AheadTiming { immediate, during_copy_waits };
+AheadTiming g_cpu_ahead_timing = AheadTiming::during_copy_waits;
 
 void registry_erase(const c10::StorageImpl* impl, const StorageResidency* owner) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
@@ -31,6 +41,12 @@ void registry_erase(const c10::StorageImpl* impl, const StorageResidency* owner)
 }
 
 void delete_managed_storage_memory(void* ptr) { free_device_for_torch(ptr); }
+
+std::shared_ptr<StorageResidency> find_residency(uint64_t entry_id) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = g_by_id.find(entry_id);
+  return it == g_by_id.end() ? nullptr : it->second.lock();
+}
 
 bool is_managed_candidate(const at::Tensor& t, Runtime& runtime) {
   if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() || !t.has_storage()) return false;
@@ -134,7 +150,7 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   try {
     TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
                 "membudget: a dropped activation needs recomputation but no lineage is installed");
-    py::object rebuilt = (*g_recompute_fn)(residency->id());
+    py::object rebuilt = (*g_recompute_fn)(residency->id(), false);
     // Take the storage and let the C++ tensor go before the Python one: a
     // Python tensor released while C++ still holds its TensorImpl is
     // resurrected (PyObject preservation) and keeps the storage referenced,
@@ -158,6 +174,71 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   return storage;
 }
 
+// Replays the entries queued for recomputation ahead of use (Note
+// [Recompute ahead]). Called with the GIL held, only from unpack (never from
+// inside a replay: those materialize inputs, which may queue more, and the
+// next unpack takes them).
+void run_recompute_ahead(Runtime& runtime) {
+  static thread_local bool running = false;
+  if (running || g_recompute_fn == nullptr || g_recompute_fn->is_none()) return;
+  running = true;
+  struct Reset {
+    ~Reset() { running = false; }
+  } reset;
+  ResidencyManager& manager = runtime.manager();
+  // Each round takes what the previous one's input unpacks queued; the
+  // queue only ever holds entries ahead in the predicted order, so this ends.
+  for (int round = 0; round < 8 && manager.recompute_ahead_pending(); ++round) {
+    std::vector<uint64_t> ids;
+    {
+      py::gil_scoped_release no_gil;
+      ids = manager.take_recompute_ahead();
+    }
+    for (uint64_t id : ids) {
+      std::shared_ptr<StorageResidency> residency = find_residency(id);
+      if (residency == nullptr) continue;
+      bool begun = false;
+      {
+        py::gil_scoped_release no_gil;
+        begun = manager.begin_recompute_ahead(residency.get());
+      }
+      if (!begun) continue;
+      auto start = std::chrono::steady_clock::now();
+      bool succeeded = false;
+      EventPtr ready;
+      c10::Storage storage;
+      try {
+        SpeculativeAllocations speculative;  // no room: given up, not an OOM
+        py::object result = (*g_recompute_fn)(id, true);
+        int64_t stream_handle = 0;
+        if (py::isinstance<py::tuple>(result)) {
+          py::tuple pair = result.cast<py::tuple>();
+          stream_handle = pair[1].cast<int64_t>();
+          result = pair[0];
+        }
+        // As in materialize_storage: the C++ tensor goes before the Python one.
+        storage = result.cast<at::Tensor>().storage();
+        result = py::none();
+        residency->adopt_recomputed(storage);
+        if (stream_handle != 0) ready = runtime.backend().record(reinterpret_cast<Stream>(stream_handle));
+        succeeded = true;
+      } catch (const py::error_already_set&) {
+        // Speculative: a replay that found no room (or failed) is dropped
+        // again and replayed on demand at its unpack, which reports errors.
+      } catch (const std::exception&) {
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (succeeded) {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        g_registry[storage.unsafeGetStorageImpl()] = residency;
+      }
+      storage = c10::Storage();
+      py::gil_scoped_release no_gil;
+      manager.complete_recompute_ahead(residency.get(), succeeded, seconds, std::move(ready));
+    }
+  }
+}
+
 }  // namespace
 
 SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view)
@@ -169,7 +250,22 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       device_(view.device()) {}
 
 at::Tensor SavedActivation::unpack() const {
+  Runtime* runtime = Runtime::get();
+  const bool on_cpu = runtime != nullptr && runtime->device_kind() == "cpu";
+  if (on_cpu && runtime->manager().recompute_ahead_pending()) {
+    // Note [Recompute ahead timing]
+    bool replay_now = g_cpu_ahead_timing == AheadTiming::immediate;
+    if (!replay_now) {
+      py::gil_scoped_release no_gil;
+      replay_now = runtime->manager().copy_pending(residency_.get());
+    }
+    if (replay_now) run_recompute_ahead(*runtime);
+  }
   c10::Storage storage = materialize_storage(residency_);
+  if (runtime != nullptr && runtime->manager().recompute_ahead_pending() &&
+      (!on_cpu || g_cpu_ahead_timing == AheadTiming::immediate)) {
+    run_recompute_ahead(*runtime);
+  }
   return tensor_on_storage(std::move(storage), storage_offset_, sizes_, strides_, dtype_);
 }
 
@@ -212,16 +308,6 @@ py::object unpack_saved_tensor(const py::object& packed) {
   return packed;
 }
 
-namespace {
-
-std::shared_ptr<StorageResidency> find_residency(uint64_t entry_id) {
-  std::lock_guard<std::mutex> lock(g_registry_mutex);
-  auto it = g_by_id.find(entry_id);
-  return it == g_by_id.end() ? nullptr : it->second.lock();
-}
-
-}  // namespace
-
 py::object entry_storage_tensor(uint64_t entry_id) {
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
   if (residency == nullptr) return py::none();
@@ -259,7 +345,19 @@ void bind_saved_activation(py::module_& m) {
   m.def("set_recompute_callback", [](py::object fn) {
     if (g_recompute_fn == nullptr) g_recompute_fn = new py::object();
     *g_recompute_fn = std::move(fn);
-  }, py::arg("fn"), "fn(entry_id) -> tensor whose storage is the replayed entry; None removes it");
+  }, py::arg("fn"),
+        "fn(entry_id, ahead) -> tensor whose storage is the replayed entry (for a replay ahead on a CUDA "
+        "side stream: (tensor, stream handle)); None removes it");
+  m.def("set_cpu_recompute_ahead_timing", [](const std::string& timing) {
+    if (timing == "immediate") {
+      g_cpu_ahead_timing = AheadTiming::immediate;
+    } else if (timing == "during_copy_waits") {
+      g_cpu_ahead_timing = AheadTiming::during_copy_waits;
+    } else {
+      throw std::invalid_argument("membudget: recompute-ahead timing is 'immediate' or 'during_copy_waits', not '" +
+                                  timing + "'");
+    }
+  }, py::arg("timing"), "When queued replays ahead run on the CPU (Note [Recompute ahead timing]); for benchmarks");
   m.def("set_recompute_info", [](uint64_t entry_id, bool recomputable, double replay_seconds,
                                  const std::vector<uint64_t>& input_ids) {
     Runtime* runtime = Runtime::get();

@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .config import Config
+from .config import Config, resolve_recompute_ahead
 from ._native import load_extension
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -99,6 +99,7 @@ def install(
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
     expandable_segments: Optional[bool] = None,
+    recompute_ahead: Optional[Union[str, bool]] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -120,6 +121,11 @@ def install(
     go back to the budget (docs/allocator.md); it is fixed when the allocator
     is created, and asking for the other setting later raises RuntimeError.
 
+    ``recompute_ahead`` (``"auto"``, the default, or a switch) lets the
+    prefetcher replay dropped activations ahead of their use within its window
+    (docs/recompute.md, "Recompute ahead"); ``"auto"`` turns it on where the
+    benchmarks showed it pays (:func:`membudget.config.resolve_recompute_ahead`).
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -135,6 +141,7 @@ def install(
         high_watermark=high_watermark,
         log=log,
         expandable_segments=expandable_segments,
+        recompute_ahead=recompute_ahead,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -149,6 +156,7 @@ def install(
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
         "expandable_segments": config.expandable_segments,
+        "recompute_ahead": resolve_recompute_ahead(config.recompute_ahead, target.type),
     }
     if plan is not None and not config.records_lineage:
         raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")
@@ -189,7 +197,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
         return
     from .lineage import Lineage, LineageMode, hide_from_dynamo
-    from .replay import rebuild_entry
+    from .replay import rebuild_entry, rebuild_entry_on_stream
 
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
@@ -205,7 +213,13 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         lineage.in_backward = True
         return native_unpack(handle)
 
-    def recompute(entry_id):
+    side_stream = []  # the CUDA side stream of replays ahead, made on first use
+
+    def recompute(entry_id, ahead=False):
+        if ahead and device.type == "cuda":  # Note [Recompute ahead]
+            if not side_stream:
+                side_stream.append(torch.cuda.Stream(device))
+            return rebuild_entry_on_stream(lineage, entry_id, side_stream[0])
         return rebuild_entry(lineage, entry_id)
 
     for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step):

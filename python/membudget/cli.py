@@ -33,6 +33,8 @@ _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
     ("--prefetch-bytes", "MEMBUDGET_PREFETCH_BYTES", "prefetch window in backward, 0 disables (default 256MiB)"),
     ("--expandable-segments", "MEMBUDGET_EXPANDABLE_SEGMENTS",
      "1 (default): device memory in growing virtual ranges; 0: fixed segments"),
+    ("--recompute-ahead", "MEMBUDGET_RECOMPUTE_AHEAD",
+     "auto (default), 1 or 0: replay dropped activations ahead of use within the prefetch window"),
 )
 _VALUE_FLAGS = frozenset(flag for flag, _, _ in _RUN_SETTINGS)
 

@@ -59,6 +59,13 @@ Variables
     across segments can make a request fail. Fixed when the allocator is
     created (the first ``install()``); a device without virtual memory
     management uses fixed segments.
+``MEMBUDGET_RECOMPUTE_AHEAD``
+    ``auto`` (default), or a switch as above. With it, the prefetcher also
+    replays dropped activations ahead of their use in backward, within the
+    prefetch window (CUDA: on a side stream, the compute stream waits only on
+    its event; CPU: only while backward would wait for a swap-in). ``auto``
+    is on where the benchmarks showed it pays: see
+    :func:`resolve_recompute_ahead`.
 
 ``MEMBUDGET_BUILD_DIR``, ``MEMBUDGET_BUILD_JOBS`` and ``MEMBUDGET_WITH_CUDA``
 are build-time variables read by ``setup.py`` (which cannot import this
@@ -94,6 +101,7 @@ __all__ = [
     "parse_value",
     "physical_memory_bytes",
     "resolve_budget",
+    "resolve_recompute_ahead",
 ]
 
 KiB = 1 << 10
@@ -314,6 +322,28 @@ def _parse_flag(value: Union[str, bool, int], label: str) -> bool:
     return _FLAG_WORDS[word]
 
 
+def _parse_recompute_ahead(value: Union[str, bool, int], label: str) -> str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if _parse_flag(value, label) else "off"
+    except ConfigError:
+        raise ConfigError(f"{label}={value!r} is not a setting: use auto, 1 or 0 (true/false, on/off, yes/no)") from None
+
+
+# Note [Recompute ahead by default]: where "auto" turns it on, from
+# bench/RESULTS.md "Recompute ahead (issue 3 part 7)".
+RECOMPUTE_AHEAD_AUTO: Dict[str, bool] = {"cuda": True, "cpu": False}
+
+
+def resolve_recompute_ahead(setting: str, device_type: str) -> bool:
+    """Whether recompute-ahead is on for ``setting`` (``"auto"``, ``"on"``,
+    ``"off"``) on a device of ``device_type`` (``"cpu"``, ``"cuda"``)."""
+    if setting == "auto":
+        return RECOMPUTE_AHEAD_AUTO.get(device_type, False)
+    return setting == "on"
+
+
 def _parse_log(value: Union[str, Iterable[str]], label: str) -> FrozenSet[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     channels = {str(item).strip().lower() for item in items} - {""}
@@ -398,6 +428,13 @@ VARIABLES: Tuple[Variable, ...] = (
         "budget; `0`: fixed segments. Fixed at the first `install()`.",
         _parse_flag,
     ),
+    Variable(
+        "MEMBUDGET_RECOMPUTE_AHEAD", "recompute_ahead", "auto",
+        "`auto`, or `1` / `0` (`true`/`false`, `on`/`off`, `yes`/`no`)",
+        "The prefetcher also replays dropped activations ahead of their use in backward, within the "
+        "prefetch window; `auto`: on for CUDA, off on the CPU (where the bench showed no gain).",
+        _parse_recompute_ahead,
+    ),
 )
 _BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
 _BY_FIELD: Dict[str, Variable] = {variable.field: variable for variable in VARIABLES}
@@ -447,6 +484,7 @@ class Config:
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     log: FrozenSet[str] = frozenset()
     expandable_segments: bool = True
+    recompute_ahead: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "Config":
@@ -455,7 +493,7 @@ class Config:
         Override keywords are the field names (``budget``, ``host_budget_bytes``
         or ``host_budget``, ``policy``, ``actions``, ``min_tensor_bytes``,
         ``prefetch_bytes``, ``high_watermark``, ``log``,
-        ``expandable_segments``) and take the same
+        ``expandable_segments``, ``recompute_ahead``) and take the same
         strings as the variables, or ints / floats / channel iterables. Unknown
         ``MEMBUDGET_*`` variables draw a warning; a bad value raises
         :class:`ConfigError` naming the variable (or keyword) and the value."""
@@ -527,6 +565,9 @@ def describe(config: Config) -> str:
         ("log", ", ".join(sorted(config.log)) or "(none)", "MEMBUDGET_LOG"),
         ("expandable segments", "on" if config.expandable_segments else "off (fixed segments)",
          "MEMBUDGET_EXPANDABLE_SEGMENTS"),
+        ("recompute ahead", config.recompute_ahead if config.recompute_ahead != "auto"
+         else "auto (" + ", ".join(f"{d} {'on' if v else 'off'}" for d, v in RECOMPUTE_AHEAD_AUTO.items()) + ")",
+         "MEMBUDGET_RECOMPUTE_AHEAD"),
     ]
     width = max(len(label) for label, _, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}  [{name}]" for label, value, name in rows)

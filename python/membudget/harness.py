@@ -91,8 +91,11 @@ class RunSpec:
     entry point can build (``size`` picks its variant), ``mode`` is one of
     :data:`MODES`, ``budget`` is in bytes (``managed`` only), and ``policy``,
     ``actions`` (``swap``, ``recompute`` or ``both``), ``host_budget`` (bytes),
-    ``min_tensor_bytes``, ``prefetch_bytes`` and ``expandable_segments`` go to
-    :func:`membudget.install` (``None``: the library's default); ``threads`` sets torch's intra-op
+    ``min_tensor_bytes``, ``prefetch_bytes``, ``expandable_segments`` and
+    ``recompute_ahead`` go to
+    :func:`membudget.install` (``None``: the library's default; ``recompute_ahead``
+    ``"immediate"`` is on, with the CPU replaying ahead at the prefetch point
+    rather than during copy waits: Note [Recompute ahead timing]); ``threads`` sets torch's intra-op
     threads (``None``: torch's default). Fields added later default to
     ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
@@ -110,6 +113,7 @@ class RunSpec:
     actions: Optional[str] = None
     host_budget: Optional[int] = None
     expandable_segments: Optional[bool] = None
+    recompute_ahead: Optional[str] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -197,8 +201,11 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
             min_tensor_bytes=spec.min_tensor_bytes,
             prefetch_bytes=spec.prefetch_bytes,
             expandable_segments=spec.expandable_segments,
+            recompute_ahead="on" if spec.recompute_ahead == "immediate" else spec.recompute_ahead,
             device=device,
         )
+        if spec.recompute_ahead == "immediate":
+            load_extension().set_cpu_recompute_ahead_timing("immediate")
         gc.collect()
         load_extension().release_cached()
         membudget.reset_counters()

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .lineage import ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, storage_address
 
-__all__ = ["RecomputeError", "closure", "rebuild_entry", "rescue_dependents_of"]
+__all__ = ["RecomputeError", "closure", "rebuild_entry", "rebuild_entry_on_stream", "rescue_dependents_of"]
 
 # A replay deeper than this many unmanaged producers is not worth it (and
 # would approach Python's recursion limit); such storages are swap-only.
@@ -98,9 +98,11 @@ def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
             lineage.rescued(entry_id)
 
 
-def rebuild_entry(lineage: Lineage, entry_id: int) -> torch.Tensor:
+def rebuild_entry(lineage: Lineage, entry_id: int, stream=None) -> torch.Tensor:
     """The native binding's recompute callback: replays the storage of a
-    dropped entry and returns a tensor whose storage holds it."""
+    dropped entry and returns a tensor whose storage holds it. With a CUDA
+    ``stream`` (the current one), managed inputs read by the replay are
+    recorded on it so that their blocks are not reused before it has run."""
     storage_lineage = lineage.by_entry.get(entry_id)
     if storage_lineage is None:
         raise RecomputeError(f"membudget: no lineage recorded for dropped activation {entry_id}")
@@ -114,14 +116,33 @@ def rebuild_entry(lineage: Lineage, entry_id: int) -> torch.Tensor:
         # handed back to C++ stays referenced (measured on torch 2.13: the
         # rebuilt entry could never be evicted again); replays also run faster.
         with torch.enable_grad(), _disable_current_modes():
-            return _Replayer(lineage).rebuild(storage_lineage, len(storage_lineage.mutations))
+            return _Replayer(lineage, stream).rebuild(storage_lineage, len(storage_lineage.mutations))
     finally:
         lineage.local.paused = was_paused
 
 
+def rebuild_entry_on_stream(lineage: Lineage, entry_id: int, side: "torch.cuda.Stream"):
+    """Note [Recompute ahead] on CUDA: replays a dropped entry on the side
+    stream ``side`` and returns (tensor, ``side``'s handle); the binding records
+    an event there, and the unpack makes the compute stream wait for it.
+
+    The side stream first waits for the compute stream (the replay's inputs
+    may still be being written there). Managed inputs the replay reads are
+    recorded on ``side``, and the rebuilt storage on the compute stream, where
+    backward uses and frees it: the stream-ordered allocator then reuses no
+    block before the stream that last reads it has passed that point."""
+    compute = torch.cuda.current_stream(side.device)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        rebuilt = rebuild_entry(lineage, entry_id, stream=side)
+    rebuilt.record_stream(compute)
+    return rebuilt, side.cuda_stream
+
+
 class _Replayer:
-    def __init__(self, lineage: Lineage):
+    def __init__(self, lineage: Lineage, stream=None):
         self.native = lineage.native
+        self.stream = stream  # a CUDA side stream the replay runs on, or None
         self.overrides: Dict[int, torch.Tensor] = {}  # id(StorageLineage) -> storage being rebuilt
 
     def rebuild(self, lineage: StorageLineage, version: int) -> torch.Tensor:
@@ -186,9 +207,13 @@ class _Replayer:
             if source.entry_id is not None:
                 resident = self.native.entry_storage(source.entry_id)
                 if resident is not None:
+                    if self.stream is not None:
+                        resident.record_stream(self.stream)
                     return resident
             alive = source.base()
             if alive is not None and alive._version == source.versions[-1]:
+                if self.stream is not None:
+                    alive.record_stream(self.stream)
                 return alive
         return self.rebuild(source, ref.version)
 

@@ -43,7 +43,10 @@ class SimRow:
     (``floor_s``) when a floor was computed, else over the compute time.
     ``unpack_stall_s`` is the part of ``stall_s`` spent by unpacks waiting for
     swap-ins (what the runtime's ``stall_seconds`` counts; the rest is
-    synchronous swap-outs on the allocation path)."""
+    synchronous swap-outs on the allocation path). ``recomputed_ahead_count``
+    counts replays ahead of use on the side stream (Note [Recompute ahead]);
+    they are also in ``recompute_count``, and ``recompute_s`` holds only the
+    share of them the compute stream lost (Note [Side stream contention])."""
 
     policy: str
     budget_bytes: int
@@ -58,6 +61,7 @@ class SimRow:
     floor_s: Optional[float] = None
     unpack_stall_s: float = 0.0
     recompute_count: int = 0
+    recomputed_ahead_count: int = 0
     error: str = ""
 
     def to_dict(self) -> Dict[str, object]:
@@ -77,7 +81,8 @@ def policies() -> List[str]:
 
 def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, capacity: int,
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
-            window: int, actions: str = "swap", expandable_segments: bool = True) -> Dict[str, object]:
+            window: int, actions: str = "swap", expandable_segments: bool = True,
+            recompute_ahead: bool = False, side_stream_overlap: float = 0.25) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
@@ -87,7 +92,8 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
-        log_decisions=_log_decisions(), expandable_segments=expandable_segments)
+        log_decisions=_log_decisions(), expandable_segments=expandable_segments,
+        recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap)
 
 
 def _log_decisions() -> bool:
@@ -125,6 +131,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
              device: Union[str, costs.DeviceModel] = "h200", *, baselines: Sequence[str] = BASELINES,
              min_tensor_bytes: int = 1 << 20, prefetch_bytes: int = 256 << 20, high_watermark: float = 0.8,
              actions: str = "both", expandable_segments: bool = True,
+             recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
              offload_window: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
@@ -135,10 +142,13 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
 
     ``min_tensor_bytes``, ``prefetch_bytes``, ``high_watermark`` and
     ``actions`` (``swap``, ``recompute``, ``both``) and ``expandable_segments``
-    (the simulated allocator's segments; docs/allocator.md) are the runtime's
+    (the simulated allocator's segments; docs/allocator.md) and
+    ``recompute_ahead`` are the runtime's
     settings of the same names (with recompute allowed, a dropped tensor's replay
     costs its modelled producer ops, see
-    :func:`membudget.replay_program.replay_costs`); ``offload_window`` is the number of
+    :func:`membudget.replay_program.replay_costs`); ``side_stream_overlap`` is
+    the share of a replay ahead that runs hidden behind backward on the side
+    stream (an assumption, docs/simulator.md); ``offload_window`` is the number of
     tensors ``offload-prefetch`` brings back ahead. ``measured`` picks measured
     op durations over the roofline (default: when the trace has them and the
     device is ``cpu-host``). ``device_capacity`` overrides the device's memory
@@ -172,7 +182,8 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     for name, b in jobs:
         strategy = "manager" if name not in BASELINES else name
         r = _replay(trace, durations, strategy, name, b, capacity, model, min_tensor_bytes, prefetch_bytes,
-                    high_watermark, offload_window, actions, expandable_segments)
+                    high_watermark, offload_window, actions, expandable_segments,
+                    recompute_ahead and strategy == "manager", side_stream_overlap)
         step = float(r["total_s"])
         base = floors.get(b) or compute_total
         rows.append(SimRow(
@@ -181,7 +192,8 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             stall_s=float(r["stall_s"]), recompute_s=float(r["recompute_s"]),
             swap_bytes=int(r["swap_out_bytes"]) + int(r["swap_in_bytes"]),
             overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf,
-            unpack_stall_s=float(r["unpack_stall_s"]), recompute_count=int(r["recompute_count"]), step_s=step, floor_s=floors.get(b),
+            unpack_stall_s=float(r["unpack_stall_s"]), recompute_count=int(r["recompute_count"]),
+            recomputed_ahead_count=int(r["recomputed_ahead_count"]), step_s=step, floor_s=floors.get(b),
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:
