@@ -77,6 +77,10 @@ _STAT_KEYS = (
     "dropped_bytes",
     "planned_drops",
     "evictions_wasted",
+    # Recompute ahead of use (issue 3 part 7).
+    "recomputed_ahead_count",
+    "recompute_ahead_failed",
+    "recompute_ahead_wasted",
     # Expandable segments: pages mapped / unmapped (re-mapping near the budget).
     "mapped_bytes_total",
     "unmapped_bytes_total",

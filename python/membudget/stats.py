@@ -24,7 +24,9 @@ def memory_stats() -> Dict[str, float]:
     ``reserved_bytes.all.{current,peak}``, ``budget_bytes`` (0: no budget),
     ``num_alloc_retries``, ``num_ooms``, ``swap_out_bytes``, ``swap_in_bytes``,
     ``swap_out_count``, ``swap_in_count``, ``recompute_count``,
-    ``recompute_bytes``, ``evicted_bytes``, ``prefetch_hits``,
+    ``recompute_bytes``, ``recomputed_ahead_count`` (replays ahead of use,
+    docs/recompute.md "Recompute ahead"; with ``recompute_ahead_failed`` and
+    ``recompute_ahead_wasted``), ``evicted_bytes``, ``prefetch_hits``,
     ``prefetch_misses``, ``stall_seconds``, plus residency by state
     (``resident_bytes``, ``host_bytes``, ``evictable_bytes``, ``in_use_bytes``)
     ``live_handles``, ``expandable_segments`` (whether device memory comes in
