@@ -227,6 +227,9 @@ void run_recompute_ahead(Runtime& runtime) {
         // again and replayed on demand at its unpack, which reports errors.
       } catch (const std::exception&) {
       }
+      if (!succeeded && residency->device_data() != nullptr) {
+        residency->drop_device_copy();  // adopted, then its event failed: not usable
+      }
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (succeeded) {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
