@@ -157,6 +157,12 @@ class ResidencyManager final : public Evictor {
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
+  // The budget, or the device's memory when that is smaller: what the
+  // watermark and the prefetch window are fractions of.
+  size_t effective_budget() const;
+  // Whether a copy-out of the candidate queued behind `d2h_queued_bytes`
+  // would end only after its predicted next use (Note [Late background copies]).
+  bool copy_ends_after_next_use(const EvictionCandidate& c, size_t d2h_queued_bytes) const;
   void issue_prefetches(Stream stream);
   bool is_evictable(const ResidencyEntry* entry) const;
   // Recompute and the director (residency_recompute.cpp).
