@@ -160,6 +160,9 @@ class ResidencyManager final : public Evictor {
   // The budget, or the device's memory when that is smaller: what the
   // watermark and the prefetch window are fractions of.
   size_t effective_budget() const;
+  // Whether a prefetch `distance` unpacks ahead would arrive late even if
+  // issued now (Note [Due prefetches]): then the window does not hold it back.
+  bool prefetch_is_due(const ResidencyEntry* entry, int64_t distance) const;
   // Whether a copy-out of the candidate queued behind `d2h_queued_bytes`
   // would end only after its predicted next use (Note [Late background copies]).
   bool copy_ends_after_next_use(const EvictionCandidate& c, size_t d2h_queued_bytes) const;
