@@ -158,3 +158,29 @@ def test_simulated_allocator_takes_the_segment_setting(gpt_trace):
     assert [r.peak_reserved_bytes for r in expandable] != [r.peak_reserved_bytes for r in fixed]
     for r in expandable + fixed:
         assert not r.feasible or r.peak_reserved_bytes <= r.budget_bytes
+
+
+def test_a_budget_above_the_device_acts_as_the_device():
+    # Note [Budget above the device]: the watermark and the prefetch window
+    # are fractions of the device's memory when the budget exceeds it, so a
+    # budget of twice the device gives the very same step as one of the device.
+    from membudget._native import load_extension
+
+    size, n = 100_000_000, 10
+    prog = Program(tensor_bytes=[size] * n)
+    for i in range(n):
+        prog.emit(Code.ALLOC, i)
+        prog.emit(Code.COMPUTE, -1, 0.15)
+        prog.emit(Code.PACK, i)
+        prog.emit(Code.RELEASE, i)
+    for i in reversed(range(n)):
+        prog.emit(Code.UNPACK, i)
+        prog.emit(Code.COMPUTE, -1, 0.3)
+        prog.emit(Code.FREE, i)
+    capacity = 6 * size
+    results = [load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                           capacity, 1e9, True, "delta", 0, 0.8, 2)
+               for budget in (capacity, 2 * capacity)]
+    keys = ("feasible", "total_s", "stall_s", "swap_out_bytes", "swap_in_bytes", "eviction_count")
+    assert results[0]["feasible"] and results[0]["swap_out_bytes"] > 0
+    assert {k: results[1][k] for k in keys} == {k: results[0][k] for k in keys}
