@@ -25,6 +25,17 @@ producer's modelled duration ``c``, shared among an op's managed outputs) and
 * copy in, per use ``u``: ``sum_{use <= u} z * bytes / link <= start(u) + O``;
 * ``O >= sum c * y``.
 
+Note [The floor's recompute costs]: ``c`` is what the runtime's lineage
+replay of the tensor runs (:func:`membudget.replay_program.replay_closures`:
+its producer plus the producers of unmanaged inputs dead by its first
+unpack), each op's duration divided among the gaps whose replays contain it,
+so that recomputing several tensors that share an op pays for it once; a
+tensor the runtime cannot replay (written in place after its producer, as a
+dropout mask) has no ``x`` or ``y``. The simulator pays the whole closure
+for every replay, so this stays a lower bound; charging the producer alone,
+as before, let the floor "recompute" a mask or a Llama-7B fp32 norm input
+(88 ms of replay) for its producer's 0.2 ms.
+
 Minimise ``O``. Every simplification relaxes (a recompute does not pay for
 evicted ancestors, copies in flight hold no memory, allocations are not
 rounded), so the optimum is a lower bound on any policy's stall plus
