@@ -56,54 +56,131 @@ def _trace_workload(workload):
     return membudget.trace(step, setup=setup, warmup=1, metadata={"model": workload.name})
 
 
-def validate(size: str, fractions, steps: int, actions: str = "swap") -> None:
-    """Print the validation table (see module doc)."""
+def _steady(run: dict, warmup: int, key: str) -> list:
+    """Per-step increments of the cumulative counter ``key`` over the steps
+    after the first ``warmup`` (the first step has no unpack order to
+    prefetch by, and its host copies fault their pages in)."""
+    values = [0.0] + [step.get(key, 0.0) for step in run["step_stats"]]
+    return [b - a for a, b in zip(values, values[1:])][warmup:]
+
+
+def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, actions: str) -> dict:
+    """Real runs (fresh processes, one torch thread): per model the plain and
+    unbudgeted runs, then ``repeats`` rounds of one managed run per budget
+    (rounds interleaved, so that load on the machine spreads over all
+    budgets). Returns plain data (JSON), with the load average before each run."""
     import os
 
-    torch.set_num_threads(1)
-    os.environ["MEMBUDGET_ACTIONS"] = actions  # the workers read it in install()
     command = [sys.executable, "-m", "membudget.demo"]
-    print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
-          "stall+recompute predicted | unpack stall predicted | unpack stall measured | step overhead measured |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("gpt", "cnn"):
-        workload = models.WORKLOADS[name][size]()
-        base = dict(model=name, size=size, steps=steps, threads=1)
+    out = {"size": size, "steps": steps, "warmup": warmup, "actions": actions, "models": {}}
+    for name in names:
+        base = dict(model=name, size=size, steps=steps, threads=1, actions=actions)
         plain = harness.spawn_worker(command, harness.RunSpec(mode="plain", **base))
         free = harness.spawn_worker(command, harness.RunSpec(mode="unbudgeted", **base))
         if "error" in plain or "error" in free:
-            print(f"| {name} | run failed: {plain.get('error') or free.get('error')} |")
-            continue
+            raise RuntimeError(f"{name}: {plain.get('error') or free.get('error')}")
         peak = free["stats"]["reserved_bytes.all.peak"]
+        model = {"plain": plain, "unbudgeted": free, "peak": peak, "runs": {}}
+        for _ in range(repeats):
+            for fraction in fractions:
+                budget = int(fraction * peak)
+                load = os.getloadavg()[0]
+                run = harness.spawn_worker(command, harness.RunSpec(mode="managed", budget=budget, policy="delta",
+                                                                    **base))
+                run["load_before"] = load
+                model["runs"].setdefault(str(fraction), []).append(run)
+                print(f"  {name} {fraction:.0%}: load {load:.1f}, "
+                      f"{'failed: ' + run['error'] if 'error' in run else 'done'}", file=sys.stderr, flush=True)
+        out["models"][name] = model
+    return out
+
+
+def predict(measured: dict, device) -> dict:
+    """Simulate each measured model's traced step at the measured budgets on
+    ``device`` (a DeviceModel): rows by model and fraction."""
+    rows = {}
+    for name, model in measured["models"].items():
+        workload = models.WORKLOADS[name][measured["size"]]()
         trace = _trace_workload(workload)
-        budgets = [int(f * peak) for f in fractions]
-        predicted = {r.budget_bytes: r for r in simulate(
-            trace, [peak, *budgets], ["delta"], "cpu-host", baselines=(),
-            min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=actions)}
-        for fraction, budget in zip([1.0, *fractions], [peak, *budgets]):
-            if fraction == 1.0:
-                real = free
-            else:
-                real = harness.spawn_worker(command, harness.RunSpec(mode="managed", budget=budget, policy="delta",
-                                                                     **base))
-            p = predicted[budget]
-            if "error" in real:
-                print(f"| {name} | {fraction:.0%} | {p.peak_reserved_bytes / MiB:.1f} MiB | run failed | | | | |")
+        fractions = [float(f) for f in model["runs"]]
+        budgets = [model["peak"], *(int(f * model["peak"]) for f in fractions)]
+        sim = simulate(trace, budgets, ["delta"], device, baselines=(),
+                       min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=measured["actions"])
+        rows[name] = {f: r for f, r in zip(["1.0", *model["runs"]], sim)}
+    return rows
+
+
+def _median(values) -> float:
+    import statistics
+
+    return statistics.median(values) if values else 0.0
+
+
+def report(measured: dict, predicted: dict) -> None:
+    """Print the validation table (see the module doc) from measured runs and
+    their predictions."""
+    warmup = measured["warmup"]
+    print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
+          "stall+recompute predicted | stall+recompute measured (median, mean) | error | "
+          "unpack stall predicted | unpack stall + recompute measured | loads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, model in measured["models"].items():
+        free, plain = model["unbudgeted"], model["plain"]
+        p = predicted[name]["1.0"]
+        peak = free["stats"]["reserved_bytes.all.peak"]
+        print(f"| {name} | 100% ({model['peak'] / MiB:.1f} MiB) | {p.peak_reserved_bytes / MiB:.1f} MiB | "
+              f"{peak / MiB:.1f} MiB | {(p.peak_reserved_bytes - peak) / peak:+.1%} | "
+              f"{p.swap_bytes / MiB:.0f} MiB | 0 MiB | {(p.stall_s + p.recompute_s) * 1e3:.1f} ms | "
+              f"0.0 ms | | {p.unpack_stall_s * 1e3:.1f} ms | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
+              f"predicted {p.step_s * 1e3:.0f} ms) |")
+        for fraction, runs in model["runs"].items():
+            p = predicted[name][fraction]
+            runs = [r for r in runs if "error" not in r]
+            if not runs:
+                print(f"| {name} | {float(fraction):.0%} | run failed |")
                 continue
-            measured = real["stats"]["reserved_bytes.all.peak"]
-            # The run's counters cover all its steps: per step, to compare with one simulated step.
-            swapped = (real["stats"]["swap_out_bytes"] + real["stats"]["swap_in_bytes"]) / steps
-            stall = real["stats"]["stall_seconds"] / steps
-            overhead = real["median_step_s"] - plain["median_step_s"]
-            print(f"| {name} | {fraction:.0%} ({budget / MiB:.1f} MiB) | "
-                  f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | "
-                  f"{measured / MiB:.1f} MiB | {(p.peak_reserved_bytes - measured) / measured:+.1%} | "
-                  f"{p.swap_bytes / MiB:.0f} MiB | {swapped / MiB:.0f} MiB | "
-                  f"{(p.stall_s + p.recompute_s) * 1e3:.1f} ms | {p.unpack_stall_s * 1e3:.1f} ms | "
-                  f"{stall * 1e3:.1f} ms | "
-                  f"{overhead * 1e3:.1f} ms (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
-                  f"predicted step {p.step_s * 1e3:.0f} ms) |")
+            budget = runs[0]["spec"]["budget"]
+            peak = max(r["stats"]["reserved_bytes.all.peak"] for r in runs)
+            # Per steady-state step, over every run at this budget: the
+            # simulator's stall_s counts every wait for a copy, which is what
+            # the copy timeline's wait_seconds counts on the real clock.
+            waits = [w + c for r in runs for w, c in zip(_steady(r, warmup, "wait_seconds"),
+                                                           _steady(r, warmup, "recompute_seconds"))]
+            unpack = [w + c for r in runs for w, c in zip(_steady(r, warmup, "stall_seconds"),
+                                                           _steady(r, warmup, "recompute_seconds"))]
+            swapped = [a + b for r in runs for a, b in zip(_steady(r, warmup, "swap_in_bytes"),
+                                                           _steady(r, warmup, "swap_out_bytes"))]
+            predicted_total = p.stall_s + p.recompute_s
+            measured_total = _median(waits)
+            error = (predicted_total - measured_total) / measured_total if measured_total > 0 else float("nan")
+            loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
+            print(f"| {name} | {float(fraction):.0%} ({budget / MiB:.1f} MiB) | "
+                  f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | {peak / MiB:.1f} MiB | "
+                  f"{(p.peak_reserved_bytes - peak) / peak:+.1%} | {p.swap_bytes / MiB:.0f} MiB | "
+                  f"{_median(swapped) / MiB:.0f} MiB | {predicted_total * 1e3:.1f} ms | "
+                  f"{measured_total * 1e3:.1f} ms, {sum(waits) / len(waits) * 1e3:.1f} ms | {error:+.0%} | "
+                  f"{(p.unpack_stall_s + p.recompute_s) * 1e3:.1f} ms | {_median(unpack) * 1e3:.1f} ms | {loads} |")
         sys.stdout.flush()
+
+
+def validate(size: str, fractions, steps: int, warmup: int, repeats: int, actions: str, models_: str,
+             save: str = None, load: str = None) -> None:
+    """Measure (or ``load`` earlier measurements), predict with the
+    ``cpu-host`` model, print the table."""
+    import json
+
+    torch.set_num_threads(1)
+    if load:
+        measured = json.loads(Path(load).read_text())
+    else:
+        measured = measure(models_.split(","), size, fractions, steps, warmup, repeats, actions)
+        if save:
+            Path(save).write_text(json.dumps(measured))
+    from membudget import costs
+
+    device = costs.device_model("cpu-host")
+    print(f"cpu-host model: link {device.link_bytes_per_s / 1e9:.2f} GB/s; {device.note}")
+    report(measured, predict(measured, device))
 
 
 def table(names, budgets, device: str) -> None:
@@ -141,7 +218,12 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate")
     v.add_argument("--quick", action="store_true", help="the small test-sized workloads")
-    v.add_argument("--steps", type=int, default=5)
+    v.add_argument("--steps", type=int, default=10)
+    v.add_argument("--warmup", type=int, default=2, help="steps left out of the measured per-step numbers")
+    v.add_argument("--repeats", type=int, default=2, help="managed runs per budget (interleaved rounds)")
+    v.add_argument("--models", default="gpt,cnn")
+    v.add_argument("--save", help="write the real runs' results here (JSON)")
+    v.add_argument("--load", help="predict against results saved by --save instead of running")
     v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
@@ -149,7 +231,8 @@ def main() -> int:
     t.add_argument("--device", default="h200")
     args = parser.parse_args()
     if args.command == "validate":
-        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.actions)
+        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.warmup, args.repeats,
+                 args.actions, args.models, args.save, args.load)
     else:
         table(args.models.split(","), args.budgets.split(","), args.device)
     return 0

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/copy_timeline.h"
 #include "core/residency_manager.h"
 
 namespace membudget {
@@ -60,11 +61,15 @@ struct ReplayConfig {
   size_t budget_bytes = 0;
   size_t capacity_bytes = 0;           // device memory of the modelled device
   double link_bytes_per_s = 1e10;
+  double link_duplex_share = 1.0;      // Note [Modelled link]
+  size_t page_bytes = 0;               // expandable segments' granularity (0: a GPU's 2 MiB)
+  double link_compute_share = 1.0;
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
   bool expandable_segments = true;     // as the runtime's default
   ManagerConfig manager;               // policy, actions, prefetch, watermark, link
   int iterations = 2;
+  bool record_timeline = false;        // keep the measured iteration's copies and waits
 };
 
 struct ReplayResult {
@@ -85,6 +90,11 @@ struct ReplayResult {
   size_t recompute_count = 0;
   size_t prefetch_hits = 0;
   size_t prefetch_misses = 0;
+  // Note [Copy timeline] of the measured iteration, on modelled time (the
+  // records only with ReplayConfig::record_timeline).
+  CopyTotals copy_totals;
+  std::vector<CopyRecord> copies;
+  std::vector<WaitRecord> waits;
 };
 
 // Runs the program (Note [Replay programs]); never throws for an OOM, which

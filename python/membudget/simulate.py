@@ -77,7 +77,8 @@ def policies() -> List[str]:
 
 def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, capacity: int,
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
-            window: int, actions: str = "swap", expandable_segments: bool = True) -> Dict[str, object]:
+            window: int, actions: str = "swap", expandable_segments: bool = True,
+            record_timeline: bool = False) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
@@ -87,7 +88,9 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
-        log_decisions=_log_decisions(), expandable_segments=expandable_segments)
+        log_decisions=_log_decisions(), expandable_segments=expandable_segments, record_timeline=record_timeline,
+        link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
+        page_bytes=device.page_bytes)
 
 
 def _log_decisions() -> bool:
