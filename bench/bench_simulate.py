@@ -64,15 +64,37 @@ def _steady(run: dict, warmup: int, key: str) -> list:
     return [b - a for a, b in zip(values, values[1:])][warmup:]
 
 
-def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, actions: str) -> dict:
+_LINK_FIELDS = ("link_bytes_per_s", "link_duplex_share", "link_compute_share", "link_latency_s")
+
+
+def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, actions: str,
+            trace_dir: Path) -> dict:
     """Real runs (fresh processes, one torch thread): per model the plain and
     unbudgeted runs, then ``repeats`` rounds of one managed run per budget
     (rounds interleaved, so that load on the machine spreads over all
-    budgets). Returns plain data (JSON), with the load average before each run."""
+    budgets). The machine is shared, so what the prediction uses is measured
+    in the same window: the ``cpu-host`` link is calibrated before every
+    managed run, and the step is traced (op durations) before the first
+    round and after the last (saved under ``trace_dir``). Returns plain data
+    (JSON), with the load average before each run."""
+    import dataclasses
     import os
 
+    from membudget import costs
+
     command = [sys.executable, "-m", "membudget.demo"]
-    out = {"size": size, "steps": steps, "warmup": warmup, "actions": actions, "models": {}}
+    out = {"size": size, "steps": steps, "warmup": warmup, "actions": actions, "models": {}, "calibrations": []}
+
+    def calibrate():
+        model = dataclasses.asdict(costs.calibrate_cpu_host())
+        out["calibrations"].append({key: model[key] for key in ("flops_per_s", "memory_bytes_per_s", "launch_s",
+                                                                 *_LINK_FIELDS)})
+
+    def trace(name: str, index: int) -> str:
+        path = trace_dir / f"{name}-{index}.trace"
+        _trace_workload(models.WORKLOADS[name][size]()).save(path)
+        return str(path)
+
     for name in names:
         base = dict(model=name, size=size, steps=steps, threads=1, actions=actions)
         plain = harness.spawn_worker(command, harness.RunSpec(mode="plain", **base))
@@ -80,10 +102,11 @@ def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, 
         if "error" in plain or "error" in free:
             raise RuntimeError(f"{name}: {plain.get('error') or free.get('error')}")
         peak = free["stats"]["reserved_bytes.all.peak"]
-        model = {"plain": plain, "unbudgeted": free, "peak": peak, "runs": {}}
+        model = {"plain": plain, "unbudgeted": free, "peak": peak, "runs": {}, "traces": [trace(name, 0)]}
         for _ in range(repeats):
             for fraction in fractions:
                 budget = int(fraction * peak)
+                calibrate()
                 load = os.getloadavg()[0]
                 run = harness.spawn_worker(command, harness.RunSpec(mode="managed", budget=budget, policy="delta",
                                                                     **base))
@@ -91,8 +114,54 @@ def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, 
                 model["runs"].setdefault(str(fraction), []).append(run)
                 print(f"  {name} {fraction:.0%}: load {load:.1f}, "
                       f"{'failed: ' + run['error'] if 'error' in run else 'done'}", file=sys.stderr, flush=True)
+        model["traces"].append(trace(name, 1))
         out["models"][name] = model
     return out
+
+
+def window_device(measured: dict):
+    """The ``cpu-host`` model of the measurement window: each calibrated
+    figure's median over the calibrations taken beside the runs."""
+    import dataclasses
+    import statistics
+
+    from membudget import costs
+
+    base = costs.device_model("cpu-host")
+    calibrations = measured.get("calibrations") or []
+    if not calibrations:
+        return base
+    fields = {key: statistics.median(c[key] for c in calibrations)
+              for key in ("memory_bytes_per_s", "launch_s", *_LINK_FIELDS)}
+    fields["flops_per_s"] = {k: statistics.median(c["flops_per_s"][k] for c in calibrations)
+                             for k in calibrations[0]["flops_per_s"]}
+    spread = {key: (min(c[key] for c in calibrations), max(c[key] for c in calibrations)) for key in _LINK_FIELDS}
+    note = (f"median of {len(calibrations)} calibrations beside the runs: link "
+            f"{fields['link_bytes_per_s'] / 1e9:.1f} GB/s ({spread['link_bytes_per_s'][0] / 1e9:.1f}-"
+            f"{spread['link_bytes_per_s'][1] / 1e9:.1f}), duplex share {fields['link_duplex_share']:.2f} "
+            f"({spread['link_duplex_share'][0]:.2f}-{spread['link_duplex_share'][1]:.2f}), compute share "
+            f"{fields['link_compute_share']:.2f} ({spread['link_compute_share'][0]:.2f}-"
+            f"{spread['link_compute_share'][1]:.2f}), hand-off {fields['link_latency_s'] * 1e6:.0f} us "
+            f"({spread['link_latency_s'][0] * 1e6:.0f}-{spread['link_latency_s'][1] * 1e6:.0f})")
+    return dataclasses.replace(base, note=note, **fields)
+
+
+def window_trace(paths):
+    """The first trace with each op's duration the median over all the traces
+    of the window (same program: same ops in the same order)."""
+    import statistics
+
+    from membudget.trace import Trace
+
+    traces = [Trace.load(p) for p in paths]
+    first = traces[0]
+    if any(len(t.ops) != len(first.ops) or [o.name for o in t.ops] != [o.name for o in first.ops]
+           for t in traces[1:]):
+        return first
+    for index, op in enumerate(first.ops):
+        if op.duration_s is not None:
+            op.duration_s = statistics.median(t.ops[index].duration_s for t in traces)
+    return first
 
 
 def predict(measured: dict, device) -> dict:
@@ -100,8 +169,10 @@ def predict(measured: dict, device) -> dict:
     ``device`` (a DeviceModel): rows by model and fraction."""
     rows = {}
     for name, model in measured["models"].items():
-        workload = models.WORKLOADS[name][measured["size"]]()
-        trace = _trace_workload(workload)
+        if model.get("traces"):
+            trace = window_trace(model["traces"])
+        else:
+            trace = _trace_workload(models.WORKLOADS[name][measured["size"]]())
         fractions = [float(f) for f in model["runs"]]
         budgets = [model["peak"], *(int(f * model["peak"]) for f in fractions)]
         sim = simulate(trace, budgets, ["delta"], device, baselines=(),
@@ -121,9 +192,9 @@ def report(measured: dict, predicted: dict) -> None:
     their predictions."""
     warmup = measured["warmup"]
     print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
-          "stall+recompute predicted | stall+recompute measured (median, mean) | error | "
-          "unpack stall predicted | unpack stall + recompute measured | loads |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "stall+recompute predicted | stall+recompute measured (median, mean) | error | per-run medians | "
+          "unpack stall predicted | unpack stall + recompute measured | misses predicted / measured | loads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, model in measured["models"].items():
         free, plain = model["unbudgeted"], model["plain"]
         p = predicted[name]["1.0"]
@@ -131,7 +202,7 @@ def report(measured: dict, predicted: dict) -> None:
         print(f"| {name} | 100% ({model['peak'] / MiB:.1f} MiB) | {p.peak_reserved_bytes / MiB:.1f} MiB | "
               f"{peak / MiB:.1f} MiB | {(p.peak_reserved_bytes - peak) / peak:+.1%} | "
               f"{p.swap_bytes / MiB:.0f} MiB | 0 MiB | {(p.stall_s + p.recompute_s) * 1e3:.1f} ms | "
-              f"0.0 ms | | {p.unpack_stall_s * 1e3:.1f} ms | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
+              f"0.0 ms | | | {p.unpack_stall_s * 1e3:.1f} ms | | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
               f"predicted {p.step_s * 1e3:.0f} ms) |")
         for fraction, runs in model["runs"].items():
             p = predicted[name][fraction]
@@ -150,16 +221,19 @@ def report(measured: dict, predicted: dict) -> None:
                                                            _steady(r, warmup, "recompute_seconds"))]
             swapped = [a + b for r in runs for a, b in zip(_steady(r, warmup, "swap_in_bytes"),
                                                            _steady(r, warmup, "swap_out_bytes"))]
+            misses = [m for r in runs for m in _steady(r, warmup, "prefetch_misses")]
             predicted_total = p.stall_s + p.recompute_s
             measured_total = _median(waits)
             error = (predicted_total - measured_total) / measured_total if measured_total > 0 else float("nan")
             loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
+            per_run = ", ".join(f"{_median([w + c for w, c in zip(_steady(r, warmup, 'wait_seconds'), _steady(r, warmup, 'recompute_seconds'))]) * 1e3:.1f}" for r in runs)
             print(f"| {name} | {float(fraction):.0%} ({budget / MiB:.1f} MiB) | "
                   f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | {peak / MiB:.1f} MiB | "
                   f"{(p.peak_reserved_bytes - peak) / peak:+.1%} | {p.swap_bytes / MiB:.0f} MiB | "
                   f"{_median(swapped) / MiB:.0f} MiB | {predicted_total * 1e3:.1f} ms | "
-                  f"{measured_total * 1e3:.1f} ms, {sum(waits) / len(waits) * 1e3:.1f} ms | {error:+.0%} | "
-                  f"{(p.unpack_stall_s + p.recompute_s) * 1e3:.1f} ms | {_median(unpack) * 1e3:.1f} ms | {loads} |")
+                  f"{measured_total * 1e3:.1f} ms, {sum(waits) / len(waits) * 1e3:.1f} ms | {error:+.0%} | {per_run} ms | "
+                  f"{(p.unpack_stall_s + p.recompute_s) * 1e3:.1f} ms | {_median(unpack) * 1e3:.1f} ms | "
+                  f"{p.prefetch_misses} / {_median(misses):g} | {loads} |")
         sys.stdout.flush()
 
 
@@ -169,17 +243,19 @@ def validate(size: str, fractions, steps: int, warmup: int, repeats: int, action
     ``cpu-host`` model, print the table."""
     import json
 
+    import tempfile
+
     torch.set_num_threads(1)
     if load:
         measured = json.loads(Path(load).read_text())
     else:
-        measured = measure(models_.split(","), size, fractions, steps, warmup, repeats, actions)
+        trace_dir = Path(save).with_suffix("") if save else Path(tempfile.mkdtemp(prefix="membudget-validate-"))
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        measured = measure(models_.split(","), size, fractions, steps, warmup, repeats, actions, trace_dir)
         if save:
             Path(save).write_text(json.dumps(measured))
-    from membudget import costs
-
-    device = costs.device_model("cpu-host")
-    print(f"cpu-host model: link {device.link_bytes_per_s / 1e9:.2f} GB/s; {device.note}")
+    device = window_device(measured)
+    print(f"cpu-host model: {device.note}")
     report(measured, predict(measured, device))
 
 

@@ -201,7 +201,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--record", type=int, default=2, help="first step whose timeline is kept")
     parser.add_argument("--actions", default="both")
-    parser.add_argument("--peaks", default="gpt=230686720,cnn=71303168",
+    parser.add_argument("--peaks", default="gpt=224198656,cnn=55717888",
                         help="unbudgeted peaks in bytes (from bench_simulate.py validate)")
     args = parser.parse_args()
     import torch

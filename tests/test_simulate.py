@@ -205,3 +205,17 @@ def test_simulated_allocator_takes_the_segment_setting(gpt_trace):
     assert [r.peak_reserved_bytes for r in expandable] != [r.peak_reserved_bytes for r in fixed]
     for r in expandable + fixed:
         assert not r.feasible or r.peak_reserved_bytes <= r.budget_bytes
+
+
+@pytest.mark.parametrize("compute_share", [1.0, 0.5])
+def test_copy_starts_a_latency_after_it_is_issued(compute_share):
+    # 10 ms of hand-off before the 0.1 s copy, on the closed-form path (GPU
+    # shares) and on the piecewise one.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_SYNC, 0)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
+    assert r["stall_s"] == pytest.approx(0.11)
+    (copy,) = r["timeline"]["copies"]
+    assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))

@@ -40,7 +40,7 @@ class SimCopyEvent final : public Event {
 }  // namespace
 
 SimBackend::SimBackend(size_t capacity_bytes, double link_bytes_per_s)
-    : SimBackend(capacity_bytes, LinkModel{link_bytes_per_s, 1.0, 1.0}) {}
+    : SimBackend(capacity_bytes, LinkModel{link_bytes_per_s, 1.0, 1.0, 0.0}) {}
 
 SimBackend::SimBackend(size_t capacity_bytes, const LinkModel& link, size_t page_bytes)
     : capacity_bytes_(capacity_bytes), page_bytes_(page_bytes == 0 ? kGpuPageBytes : page_bytes),

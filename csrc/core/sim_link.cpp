@@ -16,15 +16,16 @@ std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes)
   copy->bytes = bytes;
   copy->remaining = static_cast<double>(bytes);
   copy->enqueued_s = clock_->now;
+  copy->ready_s = clock_->now + model_.latency_s;
   if (model_.independent()) {
     // Closed form: a FIFO at a fixed rate (Note [Modelled time]).
-    const double start = std::max(clock_->now, lane_free_at_[lane]);
+    const double start = std::max(copy->ready_s, lane_free_at_[lane]);
     copy->started_s = start;
     copy->done_at = start + copy_seconds(bytes);
     lane_free_at_[lane] = copy->done_at;
     copy->index = clock_->timeline.add_copy(CopyRecord{-1, direction, bytes, clock_->now, start, copy->done_at});
   } else if (lanes_[lane].empty()) {
-    copy->started_s = clock_->now;
+    copy->started_s = copy->ready_s;
   }
   lanes_[lane].push_back(copy);
   return copy;
@@ -65,23 +66,33 @@ void SimLink::finish_head(int lane) {
   copy->done_at = clock_->now;
   copy->index = clock_->timeline.add_copy(
       CopyRecord{-1, copy->direction, copy->bytes, copy->enqueued_s, copy->started_s, copy->done_at});
-  if (!lanes_[lane].empty()) lanes_[lane].front()->started_s = clock_->now;
+  if (!lanes_[lane].empty()) {
+    SimCopy& next = *lanes_[lane].front();
+    next.started_s = std::max(clock_->now, next.ready_s);
+  }
 }
 
 void SimLink::advance(double until, bool computing, const SimCopy* stop) {
+  constexpr double kNever = std::numeric_limits<double>::infinity();
   for (;;) {
     if (stop != nullptr && stop->done_at <= clock_->now) return;
-    const bool active[2] = {!lanes_[0].empty(), !lanes_[1].empty()};
-    if (!active[0] && !active[1]) {
-      if (until > clock_->now && until != std::numeric_limits<double>::infinity()) clock_->now = until;
-      return;
+    // A lane moves bytes once its head copy is ready (Note [Modelled link]).
+    bool active[2];
+    double next_ready = kNever;
+    for (int lane = 0; lane < 2; ++lane) {
+      active[lane] = !lanes_[lane].empty() && lanes_[lane].front()->ready_s <= clock_->now;
+      if (!lanes_[lane].empty() && !active[lane]) next_ready = std::min(next_ready, lanes_[lane].front()->ready_s);
     }
     double rate = model_.bytes_per_s * (computing ? model_.compute_share : 1.0);
     if (active[0] && active[1]) rate *= model_.duplex_share;
-    // The next moment a head copy finishes; rates are constant until then.
-    double step = std::numeric_limits<double>::infinity();
+    // Rates are constant until a head copy finishes or a waiting one becomes ready.
+    double step = next_ready - clock_->now;
     for (int lane = 0; lane < 2; ++lane) {
       if (active[lane]) step = std::min(step, lanes_[lane].front()->remaining / rate);
+    }
+    if (step == kNever) {  // nothing queued
+      if (until != kNever) clock_->now = std::max(clock_->now, until);
+      return;
     }
     if (clock_->now + step > until) {
       const double moved = rate * (until - clock_->now);
@@ -98,9 +109,8 @@ void SimLink::advance(double until, bool computing, const SimCopy* stop) {
     for (int lane = 0; lane < 2; ++lane) {
       // The head(s) that set `step` are done; rounding leaves at most a few
       // bytes' worth of residue on them.
-      if (active[lane] && lanes_[lane].front()->remaining <= 1e-6 * static_cast<double>(lanes_[lane].front()->bytes) + 1e-3) {
-        finish_head(lane);
-      }
+      const SimCopy* head = active[lane] ? lanes_[lane].front().get() : nullptr;
+      if (head != nullptr && head->remaining <= 1e-6 * static_cast<double>(head->bytes) + 1e-3) finish_head(lane);
     }
   }
 }

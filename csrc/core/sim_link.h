@@ -10,7 +10,9 @@
 // both directions copying at once each runs at a fraction of its rate alone
 // (`duplex_share`: 0.5 would be one shared bus, 1.0 a full-duplex link), and
 // a copy beside a busy compute thread runs at a fraction of its idle rate
-// (`compute_share`). Then a copy's rate changes whenever the other direction
+// (`compute_share`); and a copy starts `latency_s` after it is issued at the
+// earliest (the worker thread's wake-up: a synchronous swap-in of a small
+// tensor on the host costs about as much in hand-offs as in memcpy). Then a copy's rate changes whenever the other direction
 // starts or ends, or the compute stream stalls (waiting for a copy frees the
 // compute thread's core and bandwidth), so copies are advanced piecewise as the
 // clock moves, and an event's end time is known only once its copy is done.
@@ -38,6 +40,7 @@ struct LinkModel {
   double bytes_per_s = 1e10;   // one direction, alone, compute stream idle
   double duplex_share = 1.0;   // fraction of the rate each direction gets while both copy
   double compute_share = 1.0;  // fraction of the rate a copy gets while compute runs
+  double latency_s = 0.0;      // from issue to the earliest start of a copy
   // The GPU case: each direction independent of everything else.
   bool independent() const { return duplex_share >= 1.0 && compute_share >= 1.0; }
 };
@@ -48,7 +51,8 @@ struct SimCopy {
   size_t bytes = 0;
   double remaining = 0.0;   // bytes still to move (piecewise path)
   double enqueued_s = 0.0;
-  double started_s = -1.0;  // when it reached the head of its stream
+  double ready_s = 0.0;     // enqueued_s + the link's latency: it cannot start before
+  double started_s = -1.0;  // when it reached the head of its stream (and was ready)
   double done_at = std::numeric_limits<double>::infinity();
   int64_t index = -1;       // its CopyRecord::index once recorded
 };

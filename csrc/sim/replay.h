@@ -62,6 +62,7 @@ struct ReplayConfig {
   size_t capacity_bytes = 0;           // device memory of the modelled device
   double link_bytes_per_s = 1e10;
   double link_duplex_share = 1.0;      // Note [Modelled link]
+  double link_latency_s = 0.0;
   size_t page_bytes = 0;               // expandable segments' granularity (0: a GPU's 2 MiB)
   double link_compute_share = 1.0;
   size_t host_budget_bytes = size_t{1} << 42;

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import mmap
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
@@ -34,6 +35,7 @@ import torch
 __all__ = [
     "DeviceModel",
     "DEVICES",
+    "calibrate_cpu_host",
     "device_model",
     "op_category",
     "op_flops",
@@ -70,6 +72,10 @@ class DeviceModel:
     #: Fraction of the link rate a copy gets while the compute stream runs
     #: (1.0: copy engines independent of the kernels, as on a GPU).
     link_compute_share: float = 1.0
+    #: Seconds from issuing a copy to its earliest start (the host backend's
+    #: hand-off to its copy thread and back; kept 0 for the GPUs, whose copy
+    #: launch costs microseconds against milliseconds of copying).
+    link_latency_s: float = 0.0
     #: The granularity of expandable segments' pages: a GPU's physical
     #: allocation granularity, or the OS page on the host backend.
     page_bytes: int = 2 << 20
@@ -125,9 +131,16 @@ _STATIC_DEVICES: Dict[str, DeviceModel] = {
 
 @functools.lru_cache(maxsize=1)
 def _calibrated_cpu_host() -> DeviceModel:
-    """Measure this machine once: fp32 matmul rate, memory bandwidth, the
+    """:func:`calibrate_cpu_host`, once per process."""
+    return calibrate_cpu_host()
+
+
+def calibrate_cpu_host() -> DeviceModel:
+    """Measure this machine now: fp32 matmul rate, memory bandwidth, the
     per-op dispatch overhead, and the host backend's copy "link"
-    (:func:`_calibrate_host_link`). Takes well under a second."""
+    (:func:`_calibrate_host_link`). Takes about half a second. On a machine
+    shared with other work the link figures move with its load: a comparison
+    with real runs calibrates beside them (bench/bench_simulate.py validate)."""
     threads = torch.get_num_threads()
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -159,7 +172,8 @@ def _calibrated_cpu_host() -> DeviceModel:
     link_rate = link["bytes_per_s"] if link else copy_rate
     note = (f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch; "
             + (f"host backend copies {link_rate / 1e9:.1f} GB/s alone, {link['both_bytes_per_s'] / 1e9:.1f} GB/s "
-               f"both directions together, x{link['compute_share']:.2f} beside compute)" if link else
+               f"both directions together, x{link['compute_share']:.2f} beside compute, "
+               f"{link['latency_s'] * 1e6:.0f} us hand-off)" if link else
                "no native build: link = torch copy rate)"))
     return DeviceModel(
         name="cpu-host", memory_bytes=int(physical_memory_bytes()),
@@ -167,6 +181,7 @@ def _calibrated_cpu_host() -> DeviceModel:
                      "fp64": flop_rate / 2, "int": flop_rate / 2},
         memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=link_rate, launch_s=launch, note=note,
         link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
+        link_latency_s=link["latency_s"] if link else 0.0,
         link_compute_share=link["compute_share"] if link else 1.0)
 
 
@@ -176,14 +191,18 @@ _LINK_COPY_BYTES = 4 << 20
 _LINK_BUFFERS = 8
 
 
-def _calibrate_host_link(trials: int = 3) -> Optional[Dict[str, float]]:
+def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
     """The host backend's copy rates, measured through its own copy threads
     (memcpy between pre-touched buffers, timed by the copy timeline, Note
     [Copy timeline]): one direction alone; both directions at once
     (``duplex_share``: each one's rate then, over its rate alone); one
     direction while this thread runs compute (``compute_share``: that rate over
-    the rate alone). The best of ``trials`` rounds, since other processes on
-    the machine only ever slow a round. None without the native extension."""
+    the rate alone); and ``latency_s``, the median time a synchronous copy of
+    one page takes beyond its memcpy (the hand-off to the copy thread and the
+    wake-up of the waiter). Each the median of ``trials`` rounds: other
+    processes on the machine take cores from the copy threads or from the
+    compute thread at random, which moves single rounds either way. None
+    without the native extension."""
     try:
         from ._native import load_extension
 
@@ -219,19 +238,28 @@ def _calibrate_host_link(trials: int = 3) -> Optional[Dict[str, float]]:
         return {lane: totals[f"bytes.{lane}"] / totals[f"busy_seconds.{lane}"]
                 for lane in directions if totals[f"busy_seconds.{lane}"] > 0}
 
+    def latency() -> float:
+        backend.set_copy_timeline(False, True)
+        overheads = []
+        for _ in range(16):
+            torch.mm(a[:256], w)  # the copy thread has gone back to sleep, as between two unpacks
+            start = time.perf_counter()
+            backend.copy_to_host(host[0], device[0], mmap.PAGESIZE).wait()
+            overheads.append(time.perf_counter() - start)
+        busy = backend.copy_timeline()["totals"]["busy_seconds.d2h"] / len(overheads)
+        return max(0.0, sorted(overheads)[len(overheads) // 2] - busy)
+
     try:
-        alone = both = beside = 0.0
-        for _ in range(trials):
-            alone = max(alone, rates(("d2h",), False)["d2h"])
-            both = max(both, sum(rates(("d2h", "h2d"), False).values()))
-            beside = max(beside, rates(("d2h",), True)["d2h"])
+        rounds = [(rates(("d2h",), False)["d2h"], sum(rates(("d2h", "h2d"), False).values()),
+                   rates(("d2h",), True)["d2h"], latency()) for _ in range(trials)]
+        alone, both, beside, hand_off = (statistics.median(values) for values in zip(*rounds))
     finally:
         for address in device:
             backend.device_free(address, _LINK_COPY_BYTES)
         for address in host:
             backend.host_free(address, _LINK_COPY_BYTES)
     return {"bytes_per_s": alone, "both_bytes_per_s": both, "duplex_share": min(1.0, both / (2 * alone)),
-            "compute_share": min(1.0, beside / alone)}
+            "compute_share": max(0.05, min(1.0, beside / alone)), "latency_s": hand_off}
 
 
 DEVICES: Tuple[str, ...] = ("cpu-host", *_STATIC_DEVICES)

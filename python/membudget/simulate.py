@@ -43,7 +43,9 @@ class SimRow:
     (``floor_s``) when a floor was computed, else over the compute time.
     ``unpack_stall_s`` is the part of ``stall_s`` spent by unpacks waiting for
     swap-ins (what the runtime's ``stall_seconds`` counts; the rest is
-    synchronous swap-outs on the allocation path)."""
+    synchronous swap-outs on the allocation path). ``prefetch_hits`` and
+    ``prefetch_misses`` count unpacks that found their tensor brought back
+    ahead, or had to swap it in themselves."""
 
     policy: str
     budget_bytes: int
@@ -58,6 +60,8 @@ class SimRow:
     floor_s: Optional[float] = None
     unpack_stall_s: float = 0.0
     recompute_count: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
     error: str = ""
 
     def to_dict(self) -> Dict[str, object]:
@@ -90,7 +94,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
         log_decisions=_log_decisions(), expandable_segments=expandable_segments, record_timeline=record_timeline,
         link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
-        page_bytes=device.page_bytes)
+        link_latency_s=device.link_latency_s, page_bytes=device.page_bytes)
 
 
 def _log_decisions() -> bool:
@@ -185,6 +189,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             swap_bytes=int(r["swap_out_bytes"]) + int(r["swap_in_bytes"]),
             overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf,
             unpack_stall_s=float(r["unpack_stall_s"]), recompute_count=int(r["recompute_count"]), step_s=step, floor_s=floors.get(b),
+            prefetch_hits=int(r["prefetch_hits"]), prefetch_misses=int(r["prefetch_misses"]),
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:
