@@ -67,6 +67,13 @@ def _steady(run: dict, warmup: int, key: str) -> list:
 _LINK_FIELDS = ("link_bytes_per_s", "link_duplex_share", "link_compute_share", "link_latency_s")
 
 
+def _stall_and_recompute(run: dict, warmup: int) -> list:
+    """Per steady step: copy waits outside replays plus the replays' wall time."""
+    return [w - inside + c for w, inside, c in zip(_steady(run, warmup, "wait_seconds"),
+                                                  _steady(run, warmup, "recompute_wait_seconds"),
+                                                  _steady(run, warmup, "recompute_seconds"))]
+
+
 def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, actions: str,
             trace_dir: Path) -> dict:
     """Real runs (fresh processes, one torch thread): per model the plain and
@@ -193,8 +200,9 @@ def report(measured: dict, predicted: dict) -> None:
     warmup = measured["warmup"]
     print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
           "stall+recompute predicted | stall+recompute measured (median, mean) | error | per-run medians | "
+          "copy waits predicted / measured | recompute predicted / measured less its waits (count) | "
           "unpack stall predicted | unpack stall + recompute measured | misses predicted / measured | loads |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, model in measured["models"].items():
         free, plain = model["unbudgeted"], model["plain"]
         p = predicted[name]["1.0"]
@@ -202,7 +210,7 @@ def report(measured: dict, predicted: dict) -> None:
         print(f"| {name} | 100% ({model['peak'] / MiB:.1f} MiB) | {p.peak_reserved_bytes / MiB:.1f} MiB | "
               f"{peak / MiB:.1f} MiB | {(p.peak_reserved_bytes - peak) / peak:+.1%} | "
               f"{p.swap_bytes / MiB:.0f} MiB | 0 MiB | {(p.stall_s + p.recompute_s) * 1e3:.1f} ms | "
-              f"0.0 ms | | | {p.unpack_stall_s * 1e3:.1f} ms | | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
+              f"0.0 ms | | | | | {p.unpack_stall_s * 1e3:.1f} ms | | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
               f"predicted {p.step_s * 1e3:.0f} ms) |")
         for fraction, runs in model["runs"].items():
             p = predicted[name][fraction]
@@ -214,24 +222,32 @@ def report(measured: dict, predicted: dict) -> None:
             peak = max(r["stats"]["reserved_bytes.all.peak"] for r in runs)
             # Per steady-state step, over every run at this budget: the
             # simulator's stall_s counts every wait for a copy, which is what
-            # the copy timeline's wait_seconds counts on the real clock.
-            waits = [w + c for r in runs for w, c in zip(_steady(r, warmup, "wait_seconds"),
-                                                           _steady(r, warmup, "recompute_seconds"))]
+            # the copy timeline's wait_seconds counts on the real clock; a
+            # replay's wall time (recompute_seconds) already holds the waits
+            # made inside it, so those are counted once.
+            waits = [r_total for r in runs for r_total in _stall_and_recompute(r, warmup)]
             unpack = [w + c for r in runs for w, c in zip(_steady(r, warmup, "stall_seconds"),
                                                            _steady(r, warmup, "recompute_seconds"))]
             swapped = [a + b for r in runs for a, b in zip(_steady(r, warmup, "swap_in_bytes"),
                                                            _steady(r, warmup, "swap_out_bytes"))]
             misses = [m for r in runs for m in _steady(r, warmup, "prefetch_misses")]
+            copy_waits = [w for r in runs for w in _steady(r, warmup, "wait_seconds")]
+            recomputed = [c - w for r in runs for c, w in zip(_steady(r, warmup, "recompute_seconds"),
+                                                              _steady(r, warmup, "recompute_wait_seconds"))]
+            recompute_counts = [c for r in runs for c in _steady(r, warmup, "recompute_count")]
             predicted_total = p.stall_s + p.recompute_s
             measured_total = _median(waits)
             error = (predicted_total - measured_total) / measured_total if measured_total > 0 else float("nan")
             loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
-            per_run = ", ".join(f"{_median([w + c for w, c in zip(_steady(r, warmup, 'wait_seconds'), _steady(r, warmup, 'recompute_seconds'))]) * 1e3:.1f}" for r in runs)
+            per_run = ", ".join(f"{_median(_stall_and_recompute(r, warmup)) * 1e3:.1f}" for r in runs)
             print(f"| {name} | {float(fraction):.0%} ({budget / MiB:.1f} MiB) | "
                   f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | {peak / MiB:.1f} MiB | "
                   f"{(p.peak_reserved_bytes - peak) / peak:+.1%} | {p.swap_bytes / MiB:.0f} MiB | "
                   f"{_median(swapped) / MiB:.0f} MiB | {predicted_total * 1e3:.1f} ms | "
                   f"{measured_total * 1e3:.1f} ms, {sum(waits) / len(waits) * 1e3:.1f} ms | {error:+.0%} | {per_run} ms | "
+                  f"{p.stall_s * 1e3:.1f} / {_median(copy_waits) * 1e3:.1f} ms | "
+                  f"{p.recompute_s * 1e3:.1f} ({p.recompute_count}) / {_median(recomputed) * 1e3:.1f} ms "
+                  f"({_median(recompute_counts):g}) | "
                   f"{(p.unpack_stall_s + p.recompute_s) * 1e3:.1f} ms | {_median(unpack) * 1e3:.1f} ms | "
                   f"{p.prefetch_misses} / {_median(misses):g} | {loads} |")
         sys.stdout.flush()

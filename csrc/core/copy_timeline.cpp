@@ -2,6 +2,14 @@
 
 namespace membudget {
 
+namespace {
+thread_local int section_depth = 0;
+}  // namespace
+
+void CopyTimeline::enter_section() { ++section_depth; }
+
+void CopyTimeline::leave_section() { --section_depth; }
+
 void CopyTimeline::set_enabled(bool enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   enabled_ = enabled;
@@ -29,6 +37,7 @@ void CopyTimeline::add_wait(const WaitRecord& record) {
   std::lock_guard<std::mutex> lock(mutex_);
   ++totals_.waits;
   totals_.wait_seconds += record.ended_s - record.started_s;
+  if (section_depth > 0) totals_.section_wait_seconds += record.ended_s - record.started_s;
   if (enabled_) waits_.push_back(record);
 }
 

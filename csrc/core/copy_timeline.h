@@ -48,6 +48,10 @@ struct CopyTotals {
   double queued_seconds[2] = {0.0, 0.0}; // enqueued -> started
   size_t waits = 0;
   double wait_seconds = 0.0;
+  // Of wait_seconds, the waits made by a thread inside a marked section (the
+  // torch binding marks the replay of a dropped activation, whose own wall
+  // time is counted as recompute).
+  double section_wait_seconds = 0.0;
 };
 
 class CopyTimeline {
@@ -63,6 +67,10 @@ class CopyTimeline {
   CopyTotals totals() const;
   std::vector<CopyRecord> copies() const;
   std::vector<WaitRecord> waits() const;
+  // Marks the calling thread as inside a section until leave_section()
+  // (nestable; per thread, whichever timeline its waits go to).
+  static void enter_section();
+  static void leave_section();
   // Forgets records and totals.
   void clear();
 

@@ -26,6 +26,7 @@ py::dict timeline_dict(const CopyTotals& t, const std::vector<CopyRecord>& copy_
   }
   totals["waits"] = t.waits;
   totals["wait_seconds"] = t.wait_seconds;
+  totals["recompute_wait_seconds"] = t.section_wait_seconds;
   py::list copies;
   for (const CopyRecord& c : copy_records) {
     copies.append(py::make_tuple(c.index, c.direction == CopyDirection::device_to_host ? "d2h" : "h2d", c.bytes,
