@@ -1,17 +1,23 @@
 """Simulator benchmark: validation against real CPU runs, and the policy table on h200.
 
-    python bench/bench_simulate.py validate [--quick] [--actions both]  # cpu-host predictions vs real runs
+    python bench/bench_simulate.py validate [--quick] [--actions both] [--save F | --load F [--variants]]
     python bench/bench_simulate.py table [--models gpt2,bert,...] [--budgets 80%,60%,40%]
 
 ``validate``: for each workload of membudget.models, real runs in fresh
-processes (membudget.harness: plain, unbudgeted, managed at each budget with
-the delta policy, one torch thread), and beside them a trace of the same step
-(real tensors, measured op durations, one thread) simulated with the
-``cpu-host`` device model at the same budgets and settings. Prints predicted
-and measured peak reserved bytes, bytes swapped per step, and predicted stall +
-recompute against the measured stall per step (the run's counters over its
-steps, divided by their number) and the measured step-time overhead over the
-plain run (medians).
+processes (membudget.harness: plain, unbudgeted, then ``--repeats`` rounds of
+managed runs at each budget with the delta policy, one torch thread), and a
+trace of the same step (real tensors, measured op durations, one thread)
+simulated with the ``cpu-host`` device model at the same budgets and settings.
+The machine is shared, so the model is the one of the measurement window: the
+link calibrated before every managed run and the step traced before and after
+(medians). Prints predicted and measured peak reserved bytes, bytes swapped,
+misses, and predicted stall + recompute against the measured per steady step
+(the first ``--warmup`` steps left out; medians over the steps of every run):
+copy waits outside replays (Note [Copy timeline]) plus replay wall time, which
+is what the simulator's stall_s + recompute_s count on modelled time.
+``--save``/``--load`` keep the runs' results (and traces beside them) to
+predict again; ``--variants`` prints stall + recompute under the link model
+part by part.
 
 ``table``: each model of membudget.sim_models traced on fake tensors and
 simulated on ``h200`` at each budget (percent of its unbudgeted peak) under
@@ -253,8 +259,42 @@ def report(measured: dict, predicted: dict) -> None:
         sys.stdout.flush()
 
 
+def ablate(measured: dict) -> None:
+    """The link model part by part against one measurement: main's model
+    before this branch (torch copy rate, a GPU's pages), the host backend's
+    copy rate alone, then with the duplex and compute shares, then with the
+    hand-off latency (the full window model)."""
+    import dataclasses
+    import statistics
+
+    final = window_device(measured)
+    torch_copy = statistics.median(c["memory_bytes_per_s"] for c in measured["calibrations"]) / 2
+    variants = {
+        f"torch copy rate ({torch_copy / 1e9:.1f} GB/s), 2 MiB pages": dataclasses.replace(
+            final, link_bytes_per_s=torch_copy, link_duplex_share=1.0, link_compute_share=1.0, link_latency_s=0.0,
+            page_bytes=2 << 20),
+        "host-backend copy rate": dataclasses.replace(final, link_duplex_share=1.0, link_compute_share=1.0,
+                                                      link_latency_s=0.0),
+        "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0),
+        "+ hand-off latency (the model)": final,
+    }
+    warmup = measured["warmup"]
+    points = {(name, f): _median([x for r in runs if "error" not in r for x in _stall_and_recompute(r, warmup)])
+              for name, model in measured["models"].items() for f, runs in model["runs"].items()}
+    print("| link model | " + " | ".join(f"{n} {float(f):.0%}" for n, f in points) + " |")
+    print("|---|" + "---|" * len(points))
+    print("| measured stall+recompute (median) | " + " | ".join(f"{v * 1e3:.1f} ms" for v in points.values()) + " |")
+    for label, device in variants.items():
+        rows = predict(measured, device)
+        cells = []
+        for (n, f), m in points.items():
+            p = rows[n][f].stall_s + rows[n][f].recompute_s
+            cells.append(f"{p * 1e3:.1f} ms" + (f" ({(p - m) / m:+.0%})" if m > 0 else ""))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def validate(size: str, fractions, steps: int, warmup: int, repeats: int, actions: str, models_: str,
-             save: str = None, load: str = None) -> None:
+             save: str = None, load: str = None, variants: bool = False) -> None:
     """Measure (or ``load`` earlier measurements), predict with the
     ``cpu-host`` model, print the table."""
     import json
@@ -271,6 +311,9 @@ def validate(size: str, fractions, steps: int, warmup: int, repeats: int, action
         if save:
             Path(save).write_text(json.dumps(measured))
     device = window_device(measured)
+    if variants:
+        ablate(measured)
+        return
     print(f"cpu-host model: {device.note}")
     report(measured, predict(measured, device))
 
@@ -317,6 +360,8 @@ def main() -> int:
     v.add_argument("--save", help="write the real runs' results here (JSON)")
     v.add_argument("--load", help="predict against results saved by --save instead of running")
     v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
+    v.add_argument("--variants", action="store_true",
+                   help="with --load: stall+recompute under the link model part by part")
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
     t.add_argument("--budgets", default="80%,60%,40%")
@@ -324,7 +369,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.command == "validate":
         validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.warmup, args.repeats,
-                 args.actions, args.models, args.save, args.load)
+                 args.actions, args.models, args.save, args.load, args.variants)
     else:
         table(args.models.split(","), args.budgets.split(","), args.device)
     return 0
