@@ -207,6 +207,63 @@ def test_simulated_allocator_takes_the_segment_setting(gpt_trace):
         assert not r.feasible or r.peak_reserved_bytes <= r.budget_bytes
 
 
+def test_a_budget_above_the_device_acts_as_the_device():
+    # Note [Budget above the device]: the watermark and the prefetch window
+    # are fractions of the device's memory when the budget exceeds it, so a
+    # budget of twice the device gives the very same step as one of the device.
+    from membudget._native import load_extension
+
+    size, n = 100_000_000, 10
+    prog = Program(tensor_bytes=[size] * n)
+    for i in range(n):
+        prog.emit(Code.ALLOC, i)
+        prog.emit(Code.COMPUTE, -1, 0.15)
+        prog.emit(Code.PACK, i)
+        prog.emit(Code.RELEASE, i)
+    for i in reversed(range(n)):
+        prog.emit(Code.UNPACK, i)
+        prog.emit(Code.COMPUTE, -1, 0.3)
+        prog.emit(Code.FREE, i)
+    capacity = 6 * size
+    results = [load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                           capacity, 1e9, True, "delta", 0, 0.8, 2)
+               for budget in (capacity, 2 * capacity)]
+    keys = ("feasible", "total_s", "stall_s", "swap_out_bytes", "swap_in_bytes", "eviction_count")
+    assert results[0]["feasible"] and results[0]["swap_out_bytes"] > 0
+    assert {k: results[1][k] for k in keys} == {k: results[0][k] for k in keys}
+
+
+def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
+    # Note [Due prefetches]. Forward saves B (300 MB), then S1 and S2 (50 MB
+    # each); a 700 MB temporary sends all three to host. Backward uses S2,
+    # S1, B, 0.1 s apart, over a 1 GB/s link. S2 is the first unpack, with
+    # nothing prefetched yet: its 50 ms copy is a stall. Then S1 and B are
+    # prefetched at once although B exceeds what the 100 MB window has left
+    # beside S1: issued later it would only arrive later. S1 is ready 50 ms later, in time; B 350 ms later, used
+    # 200 ms later: 150 ms of stall. Held back until S1's use (the window
+    # alone) B would stall 200 ms.
+    from membudget._native import load_extension
+
+    size_mb = [300, 50, 50, 700]
+    prog = Program(tensor_bytes=[s * 1_000_000 for s in size_mb])
+    for i in range(3):
+        prog.emit(Code.ALLOC, i)
+        prog.emit(Code.COMPUTE, -1, 0.5)
+        prog.emit(Code.PACK, i)
+        prog.emit(Code.RELEASE, i)
+    prog.emit(Code.ALLOC, 3)
+    prog.emit(Code.COMPUTE, -1, 0.5)
+    prog.emit(Code.FREE, 3)
+    for i in (2, 1, 0):
+        prog.emit(Code.UNPACK, i)
+        prog.emit(Code.COMPUTE, -1, 0.1)
+        prog.emit(Code.FREE, i)
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 800_000_000,
+                                    1 << 40, 1e9, True, "delta", 100_000_000, 0.8, 2)
+    assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
+    assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
+
+
 @pytest.mark.parametrize("compute_share", [1.0, 0.5])
 def test_copy_starts_a_latency_after_it_is_issued(compute_share):
     # 10 ms of hand-off before the 0.1 s copy, on the closed-form path (GPU

@@ -17,6 +17,9 @@ namespace {
 constexpr size_t kMaxBackgroundCopies = 8;
 // The prefetch window never exceeds this fraction of the device budget.
 constexpr double kMaxPrefetchBudgetFraction = 0.25;
+// How far before the current unpack position the prefetcher still looks for
+// entries not yet unpacked (Note [Prefetch lookback]).
+constexpr int64_t kPrefetchLookback = 32;
 
 uint64_t next_entry_id() {
   static std::atomic<uint64_t> counter{0};
@@ -261,6 +264,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   entry->drop_device_copy();
   entry->state_ = Residency::host;
   clear_prefetch(entry);  // brought in ahead of use, then evicted before it: wasted
+  rewind_prefetch_cursor(entry);
   counters_.evicted_bytes += entry->bytes();
   ++counters_.eviction_count;
   return entry->bytes();
@@ -358,6 +362,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   entry->last_access_ = ++clock_;
   note_interval(unpack_interval_s_, last_unpack_);
   last_pack_ = {};
+  if (!unpacked_since_pack_) backward_start_clock_ = clock_ - 1;  // the first unpack of a backward
   unpacked_since_pack_ = true;
   if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
   const bool was_prefetched = clear_prefetch(entry);
@@ -404,42 +409,114 @@ void ResidencyManager::issue_prefetches(Stream stream) {
   // A window larger than a fraction of the budget only evicts what it just
   // brought in (measured: at 50% of GPT-2's peak a 256 MiB window over a
   // 97 MiB budget swapped in 1.6x what went out).
-  const size_t budget = device_.budget();
+  const size_t budget = effective_budget();
   const size_t window = std::min(config_.prefetch_bytes,
                                  static_cast<size_t>(kMaxPrefetchBudgetFraction * static_cast<double>(budget)));
   const int64_t now = order_.current_position();
-  int64_t cursor = std::max(prefetch_cursor_, now);
-  for (; cursor < order_.predicted_length(); ++cursor) {
-    if (prefetch_outstanding_bytes_ >= window) break;
-    uint64_t seq = order_.predicted_at(cursor);
+  // Tries the entry predicted at `position`: 1 issued, 0 nothing to do
+  // there, -1 stop (window full, no room, no memory).
+  auto try_prefetch = [&](int64_t position) -> int {
+    if (prefetch_outstanding_bytes_ >= window) return -1;
+    uint64_t seq = order_.predicted_at(position);
     ResidencyEntry* entry = seq < by_seq_.size() ? by_seq_[seq] : nullptr;
-    if (entry == nullptr || entry->state_ != Residency::host) continue;
-    if (prefetch_outstanding_bytes_ > 0 && prefetch_outstanding_bytes_ + entry->bytes() > window) {
-      break;
+    if (entry == nullptr || entry->state_ != Residency::host) return 0;
+    if (position < now && entry->last_access_ > backward_start_clock_) return 0;  // used already
+    const int64_t distance = std::max<int64_t>(position - now, 0);
+    if (prefetch_outstanding_bytes_ > 0 && prefetch_outstanding_bytes_ + entry->bytes() > window &&
+        !prefetch_is_due(entry, distance)) {
+      return -1;
     }
     // Room without evicting anything needed sooner than this entry?
-    const int64_t distance = cursor - now;
     size_t room = device_.largest_free_or_reservable();
     if (room < entry->bytes()) {
       for (const EvictionCandidate& c : candidates(distance)) {
         room += c.bytes;
         if (room >= entry->bytes()) break;
       }
-      if (room < entry->bytes()) break;
+      if (room < entry->bytes()) return -1;
     }
     eviction_horizon_ = distance;
     const bool issued = swap_in(entry, stream, /*wait=*/false);
     eviction_horizon_ = -1;
-    if (!issued) break;
+    if (!issued) return -1;
     entry->prefetched_ = true;
     prefetch_outstanding_bytes_ += entry->bytes();
     ++counters_.prefetch_issued;
+    return 1;
+  };
+  // Note [Prefetch lookback]: positions are counts of unpacks, and the
+  // materializations a replay makes of its inputs count too, so an
+  // iteration that recomputes more than the last runs ahead of the
+  // prediction: an entry predicted just before `now` may still be to come
+  // (GPT-2 at 40% on h200: 12 positions, and a 24 MiB tensor that was never
+  // prefetched). Entries predicted shortly before now, on host and not
+  // unpacked in this backward, are due first.
+  for (int64_t p = std::max<int64_t>(now - kPrefetchLookback, 0); p < std::min(now, order_.predicted_length()); ++p) {
+    if (try_prefetch(p) < 0) return;
+  }
+  int64_t cursor = std::max(prefetch_cursor_, now);
+  for (; cursor < order_.predicted_length(); ++cursor) {
+    if (try_prefetch(cursor) < 0) break;
   }
   prefetch_cursor_ = cursor;
 }
 
+void ResidencyManager::rewind_prefetch_cursor(const ResidencyEntry* entry) {
+  // Note [Prefetch cursor]: the cursor only moves forward over the predicted
+  // unpack order, so an entry swapped out after the cursor passed its next
+  // use would never be prefetched: its whole copy-in would be a stall, behind
+  // whatever the H2D stream holds (6 ms for a 24 MiB tensor behind a 384 MiB
+  // one at GPT-2 40% on h200, simulated). Its next use brings the cursor back.
+  if (!order_.has_prediction() || entry->iteration_ != iteration_) return;
+  const int64_t next = order_.next_position(entry->pack_seq_, order_.current_position());
+  if (next >= 0 && next < prefetch_cursor_) prefetch_cursor_ = next;
+}
+
+bool ResidencyManager::prefetch_is_due(const ResidencyEntry* entry, int64_t distance) const {
+  // Note [Due prefetches]: the window bounds the bytes brought in ahead of
+  // use, but an entry larger than what the window has left waits behind
+  // smaller ones until they are used, and a large one (a 384 MiB dropout
+  // mask of GPT-2 against a 256 MiB window) then starts too late to arrive
+  // in time: the whole copy became a stall (7.3 ms per step at GPT-2 and
+  // BERT at 40% on h200, simulated). Once the copy, behind what the H2D
+  // stream already holds, would not finish before the predicted use anyway,
+  // waiting longer only adds stall: it is issued past the window. It still
+  // needs room that evicts nothing needed sooner.
+  if (unpack_interval_s_ <= 0.0) return false;
+  size_t h2d_queued = 0;
+  for (const ResidencyEntry* busy : in_flight_) {
+    if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
+  }
+  const double copy_s = static_cast<double>(h2d_queued + entry->bytes()) / link_bytes_per_s_;
+  return copy_s >= static_cast<double>(distance) * unpack_interval_s_;
+}
+
+size_t ResidencyManager::effective_budget() const {
+  // Note [Budget above the device]: a budget larger than the device (a
+  // percentage of a model's peak that does not fit, MEMBUDGET_BUDGET set for
+  // a bigger card) is never what runs out: the device is. A watermark taken
+  // of the budget would then lie above the device, and every eviction would
+  // be a synchronous copy on the allocation path (measured in the simulator:
+  // Llama-7B on h200 at a 168 GiB budget, 68 ms of such copies per step).
+  return std::min(device_.budget(), backend_.device_capacity());
+}
+
+bool ResidencyManager::copy_ends_after_next_use(const EvictionCandidate& c, size_t d2h_queued_bytes) const {
+  // Note [Late background copies]: a copy-out queued behind others that
+  // ends after the entry's predicted next use frees nothing before that use
+  // (the entry is needed on the device), takes link time from copies that
+  // would, and, when that use is the last, makes the entry's release wait
+  // for a copy nobody needs (the device memory cannot be reused while the
+  // copy reads it). Measured in the simulator on h200: GPT-2 at 80% and 60%
+  // and BERT at 80% each stalled 11-18 ms per step on one such release.
+  // Without a prediction (first iteration) every copy is allowed.
+  if (c.next_use_distance < 0 || unpack_interval_s_ <= 0.0) return false;
+  const double ends_in = static_cast<double>(d2h_queued_bytes + c.bytes) / link_bytes_per_s_;
+  return ends_in > c.seconds_until_next_use;
+}
+
 void ResidencyManager::maybe_start_background_swaps() {
-  const size_t budget = device_.budget();
+  const size_t budget = effective_budget();
   if (budget == 0 || budget == std::numeric_limits<size_t>::max() || config_.high_watermark >= 1.0) return;
   if (!allowed_.swap) return;  // actions=recompute: nothing may go to host
   const size_t threshold = static_cast<size_t>(config_.high_watermark * static_cast<double>(budget));
@@ -453,12 +530,17 @@ void ResidencyManager::maybe_start_background_swaps() {
       releasable += entry->bytes();
     }
   }
+  size_t d2h_queued = 0;
+  for (const ResidencyEntry* busy : in_flight_) {
+    if (busy->state_ == Residency::swapping_out) d2h_queued += busy->bytes();
+  }
   for (const EvictionCandidate& c : candidates(-1)) {
     if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
     ResidencyEntry* entry = c.entry;
     if (entry->host_valid_ || entry->state_ != Residency::resident) continue;
     // Copying ahead is only worth it for entries the director would swap.
     if (!c.swap_chosen) continue;
+    if (copy_ends_after_next_use(c, d2h_queued)) continue;
     if (!ensure_host_slot(entry)) break;
     if (config_.log_decisions) {
       std::fprintf(stderr, "membudget: background swap-out %s id=%llu seq=%llu next_use=%lld swap_stall=%.3fms\n",
@@ -470,6 +552,7 @@ void ResidencyManager::maybe_start_background_swaps() {
     in_flight_.push_back(entry);
     ++counters_.background_swap_count;
     releasable += entry->bytes();
+    d2h_queued += entry->bytes();
   }
 }
 

@@ -157,6 +157,18 @@ class ResidencyManager final : public Evictor {
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
+  // The budget, or the device's memory when that is smaller: what the
+  // watermark and the prefetch window are fractions of.
+  size_t effective_budget() const;
+  // Whether a prefetch `distance` unpacks ahead would arrive late even if
+  // issued now (Note [Due prefetches]): then the window does not hold it back.
+  bool prefetch_is_due(const ResidencyEntry* entry, int64_t distance) const;
+  // An entry just swapped out: the prefetch cursor goes back to its next use
+  // if it had passed it (Note [Prefetch cursor]).
+  void rewind_prefetch_cursor(const ResidencyEntry* entry);
+  // Whether a copy-out of the candidate queued behind `d2h_queued_bytes`
+  // would end only after its predicted next use (Note [Late background copies]).
+  bool copy_ends_after_next_use(const EvictionCandidate& c, size_t d2h_queued_bytes) const;
   void issue_prefetches(Stream stream);
   bool is_evictable(const ResidencyEntry* entry) const;
   // Recompute and the director (residency_recompute.cpp).
@@ -199,6 +211,7 @@ class ResidencyManager final : public Evictor {
   uint64_t packs_this_iteration_ = 0;
   bool unpacked_since_pack_ = false;
   int64_t prefetch_cursor_ = 0;
+  uint64_t backward_start_clock_ = 0;             // clock_ before this backward's first unpack
   size_t prefetch_outstanding_bytes_ = 0;
   int64_t eviction_horizon_ = -1;                 // during prefetch: protect nearer uses
   ManagerStats counters_;

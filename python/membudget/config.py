@@ -41,11 +41,13 @@ Variables
     Saved tensors smaller than this are left alone. Size syntax without a
     percentage; default 1 MiB; ``0`` manages every saved tensor.
 ``MEMBUDGET_PREFETCH_BYTES``
-    Byte window of swap-ins issued ahead of use in backward. Size syntax
+    Byte window of swap-ins issued ahead of use in backward (a swap-in that
+    would arrive late even if issued now may go past it). Size syntax
     without a percentage; default 256 MiB; ``0`` disables prefetch.
 ``MEMBUDGET_HIGH_WATERMARK``
-    Fraction of the budget above which background swap-out starts, a number
-    above 0 and at most 1; default 0.8.
+    Fraction of the budget (of the device's memory when that is smaller)
+    above which background swap-out starts, a number above 0 and at most 1;
+    default 0.8.
 ``MEMBUDGET_LOG``
     Comma-separated log channels: ``decisions``, ``evictions``, ``prefetch``,
     ``summary``. Default: none.
@@ -376,13 +378,15 @@ VARIABLES: Tuple[Variable, ...] = (
     Variable(
         "MEMBUDGET_PREFETCH_BYTES", "prefetch_bytes", "256MiB",
         "size in bytes or units (no %); `0` disables prefetch",
-        "Byte window of swap-ins issued ahead of use in backward.",
+        "Byte window of swap-ins issued ahead of use in backward (a swap-in that would arrive late "
+        "even if issued now may go past it).",
         _parse_unsigned_size,
     ),
     Variable(
         "MEMBUDGET_HIGH_WATERMARK", "high_watermark", str(DEFAULT_HIGH_WATERMARK),
         "a number above 0 and at most 1",
-        "Fraction of the budget above which background swap-out starts.",
+        "Fraction of the budget (of the device's memory when that is smaller) above which background "
+        "swap-out starts.",
         _parse_high_watermark,
     ),
     Variable(

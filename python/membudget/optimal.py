@@ -25,6 +25,17 @@ producer's modelled duration ``c``, shared among an op's managed outputs) and
 * copy in, per use ``u``: ``sum_{use <= u} z * bytes / link <= start(u) + O``;
 * ``O >= sum c * y``.
 
+Note [The floor's recompute costs]: ``c`` is what the runtime's lineage
+replay of the tensor runs (:func:`membudget.replay_program.replay_closures`:
+its producer plus the producers of unmanaged inputs dead by its first
+unpack), each op's duration divided among the gaps whose replays contain it,
+so that recomputing several tensors that share an op pays for it once; a
+tensor the runtime cannot replay (written in place after its producer, as a
+dropout mask) has no ``x`` or ``y``. The simulator pays the whole closure
+for every replay, so this stays a lower bound; charging the producer alone,
+as before, let the floor "recompute" a mask or a Llama-7B fp32 norm input
+(88 ms of replay) for its producer's 0.2 ms.
+
 Minimise ``O``. Every simplification relaxes (a recompute does not pay for
 evicted ancestors, copies in flight hold no memory, allocations are not
 rounded), so the optimum is a lower bound on any policy's stall plus
@@ -42,7 +53,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from . import costs
-from .replay_program import managed_tensors, op_durations, release_points
+from .replay_program import managed_tensors, op_durations, release_points, replay_closures
 from .trace import Trace
 
 __all__ = ["OptimalSolution", "optimal"]
@@ -99,6 +110,22 @@ def _unmanaged_bytes(trace: Trace, managed: set) -> np.ndarray:
         delta[start] += t.bytes
         delta[end + 1] -= t.bytes
     return np.cumsum(delta)[:n]
+
+
+def _recompute_costs(trace: Trace, durations, gaps, managed) -> List[Optional[float]]:
+    """Per gap, the seconds the floor charges for recomputing its tensor, or
+    None when the runtime cannot replay it (Note [The floor's recompute
+    costs])."""
+    closures = replay_closures(trace, managed)
+    share: dict = {}
+    for tid, _, _, _ in gaps:
+        for op in (closures[tid] or ((), ()))[0]:
+            share[op] = share.get(op, 0) + 1
+    out: List[Optional[float]] = []
+    for tid, _, _, _ in gaps:
+        closure = closures[tid]
+        out.append(None if closure is None else sum(float(durations[op]) / share[op] for op in closure[0]))
+    return out
 
 
 def optimal(trace: Trace, budget: int, device: Union[str, costs.DeviceModel] = "h200", *,
@@ -197,13 +224,8 @@ def optimal(trace: Trace, budget: int, device: Union[str, costs.DeviceModel] = "
             deficit[k] / unit_b, np.inf)
         # Copied out before the op at this row: D2H seconds <= start + O.
         row([(O, 1)] + [(S + p, -size_s[g] / link) for p, g in members], -start_s[worst[k]], np.inf)
-    producers: dict = {}
-    for tid, _, _, _ in gaps:
-        producers[trace.tensors[tid].producer] = producers.get(trace.tensors[tid].producer, 0) + 1
-    # An op producing several managed tensors is recomputed once: share its cost.
-    cost = [float(durations[trace.tensors[tid].producer]) / producers[trace.tensors[tid].producer] / unit_s
-            for tid, _, _, _ in gaps]
-    row([(O, 1)] + [(Y + g, -cost[g]) for g in range(G)], 0, np.inf)
+    cost = [None if c is None else c / unit_s for c in _recompute_costs(trace, durations, gaps, managed)]
+    row([(O, 1)] + [(Y + g, -cost[g]) for g in range(G) if cost[g] is not None], 0, np.inf)
     by_use: dict = {}
     for g, (_, _, _, u) in enumerate(gaps):
         by_use.setdefault(use_pos[u], []).append(g)
@@ -219,6 +241,12 @@ def optimal(trace: Trace, budget: int, device: Union[str, costs.DeviceModel] = "
     if method == "milp":
         integrality[:2 * P] = 1
     ub = np.concatenate([np.ones(2 * P + 2 * G), np.full(n_use + 1, np.inf)])
+    for p, (g, _) in enumerate(pair_index):
+        if cost[g] is None:  # cannot be replayed: absent only by swap
+            ub[X + p] = 0.0
+    for g in range(G):
+        if cost[g] is None:
+            ub[Y + g] = 0.0
     result = milp(c, constraints=LinearConstraint(csr_matrix((vals, (rows, cols)), shape=(r, nv)), lower, upper),
                   integrality=integrality, bounds=Bounds(np.zeros(nv), ub),
                   options={"time_limit": time_limit_s, "disp": False})

@@ -27,8 +27,8 @@ import torch
 from . import costs
 from .trace import Trace
 
-__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "managed_tensors", "release_points", "replay_costs",
-           "compile_program"]
+__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "managed_tensors", "release_points", "replay_closures",
+           "replay_costs", "compile_program"]
 
 # Replays deeper than this many unmanaged producers are not offered (as the
 # runtime's lineage replay, python/membudget/replay.py, refuses deep ones).
@@ -110,28 +110,30 @@ def release_points(trace: Trace, tid: int) -> Dict[str, object]:
     return {"pack": pack, "forward_release": forward_release, "uses": uses}
 
 
-def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int]):
+def replay_closures(trace: Trace, managed: Sequence[int]) -> Dict[int, Optional[tuple]]:
     """Per managed tensor, what the runtime's lineage replay would run to
-    rebuild it: ``(seconds, managed inputs)``, with seconds the producer's
-    duration plus, recursively, the producers of unmanaged inputs that are no
-    longer alive at its first unpack (parameters and live tensors are
-    available; managed inputs are the manager's to bring back). A storage an
-    in-place op wrote after its producer is not recomputable (seconds 0), as
-    in the runtime."""
+    rebuild it: ``(ops, managed inputs)``, the producer's op index plus,
+    recursively, the producers of unmanaged inputs that are no longer alive
+    at its first unpack (parameters and live tensors are available; managed
+    inputs are the manager's to bring back), or None when it cannot be
+    replayed: a storage an in-place op wrote after its producer (as in the
+    runtime), a tensor with no producer, or a chain deeper than
+    :data:`MAX_REPLAY_DEPTH`. The simulator's replay costs and the floor's
+    recompute costs (:func:`membudget.optimal`) both come from here."""
     managed_set = set(managed)
     mutated = set()
     for op in trace.ops:
         base = op.name.split(".")[1] if op.name.count(".") >= 2 else op.name
         if base.endswith("_") and not base.startswith("_") and op.inputs:
             mutated.add(op.inputs[0])
-    costs: Dict[int, tuple] = {}
+    closures: Dict[int, Optional[tuple]] = {}
     for tid in managed:
         t = trace.tensors[tid]
         if tid in mutated or t.producer is None:
-            costs[tid] = (0.0, [])
+            closures[tid] = None
             continue
         first_use = min((u for u, p in zip(trace.unpack_ops, trace.unpack_order) if p == tid), default=len(trace.ops))
-        seconds, inputs, seen = 0.0, [], set()
+        ops, inputs, seen = [], [], set()
         stack, ok = [(t.producer, 0)], True
         while stack and ok:
             op_index, depth = stack.pop()
@@ -141,7 +143,7 @@ def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int
             if depth > MAX_REPLAY_DEPTH:
                 ok = False
                 break
-            seconds += durations[op_index]
+            ops.append(op_index)
             for u in trace.ops[op_index].inputs:
                 src = trace.tensors[u]
                 if u == tid or src.producer is None:
@@ -152,7 +154,21 @@ def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int
                     ok = False
                 elif src.dies_after is not None and src.dies_after < first_use:
                     stack.append((src.producer, depth + 1))
-        costs[tid] = (max(seconds, 1e-12), sorted(set(inputs))) if ok else (0.0, [])
+        closures[tid] = (ops, sorted(set(inputs))) if ok else None
+    return closures
+
+
+def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int]):
+    """Per managed tensor, ``(seconds, managed inputs)`` of its replay: the
+    summed durations of its :func:`replay_closures` ops (seconds 0, no
+    inputs: not recomputable)."""
+    costs: Dict[int, tuple] = {}
+    for tid, closure in replay_closures(trace, managed).items():
+        if closure is None:
+            costs[tid] = (0.0, [])
+        else:
+            ops, inputs = closure
+            costs[tid] = (max(sum(durations[i] for i in ops), 1e-12), inputs)
     return costs
 
 
