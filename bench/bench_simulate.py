@@ -1,17 +1,23 @@
 """Simulator benchmark: validation against real CPU runs, and the policy table on h200.
 
-    python bench/bench_simulate.py validate [--quick] [--actions both]  # cpu-host predictions vs real runs
+    python bench/bench_simulate.py validate [--quick] [--actions both] [--save F | --load F [--variants]]
     python bench/bench_simulate.py table [--models gpt2,bert,...] [--budgets 80%,60%,40%]
 
 ``validate``: for each workload of membudget.models, real runs in fresh
-processes (membudget.harness: plain, unbudgeted, managed at each budget with
-the delta policy, one torch thread), and beside them a trace of the same step
-(real tensors, measured op durations, one thread) simulated with the
-``cpu-host`` device model at the same budgets and settings. Prints predicted
-and measured peak reserved bytes, bytes swapped per step, and predicted stall +
-recompute against the measured stall per step (the run's counters over its
-steps, divided by their number) and the measured step-time overhead over the
-plain run (medians).
+processes (membudget.harness: plain, unbudgeted, then ``--repeats`` rounds of
+managed runs at each budget with the delta policy, one torch thread), and a
+trace of the same step (real tensors, measured op durations, one thread)
+simulated with the ``cpu-host`` device model at the same budgets and settings.
+The machine is shared, so the model is the one of the measurement window: the
+link calibrated before every managed run and the step traced before and after
+(medians). Prints predicted and measured peak reserved bytes, bytes swapped,
+misses, and predicted stall + recompute against the measured per steady step
+(the first ``--warmup`` steps left out; medians over the steps of every run):
+copy waits outside replays (Note [Copy timeline]) plus replay wall time, which
+is what the simulator's stall_s + recompute_s count on modelled time.
+``--save``/``--load`` keep the runs' results (and traces beside them) to
+predict again; ``--variants`` prints stall + recompute under the link model
+part by part.
 
 ``table``: each model of membudget.sim_models traced on fake tensors and
 simulated on ``h200`` at each budget (percent of its unbudgeted peak) under
@@ -56,54 +62,260 @@ def _trace_workload(workload):
     return membudget.trace(step, setup=setup, warmup=1, metadata={"model": workload.name})
 
 
-def validate(size: str, fractions, steps: int, actions: str = "swap") -> None:
-    """Print the validation table (see module doc)."""
+def _steady(run: dict, warmup: int, key: str) -> list:
+    """Per-step increments of the cumulative counter ``key`` over the steps
+    after the first ``warmup`` (the first step has no unpack order to
+    prefetch by, and its host copies fault their pages in)."""
+    values = [0.0] + [step.get(key, 0.0) for step in run["step_stats"]]
+    return [b - a for a, b in zip(values, values[1:])][warmup:]
+
+
+_LINK_FIELDS = ("link_bytes_per_s", "link_duplex_share", "link_compute_share", "link_latency_s")
+
+
+def _stall_and_recompute(run: dict, warmup: int) -> list:
+    """Per steady step: copy waits outside replays plus the replays' wall time."""
+    return [w - inside + c for w, inside, c in zip(_steady(run, warmup, "wait_seconds"),
+                                                  _steady(run, warmup, "recompute_wait_seconds"),
+                                                  _steady(run, warmup, "recompute_seconds"))]
+
+
+def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, actions: str,
+            trace_dir: Path) -> dict:
+    """Real runs (fresh processes, one torch thread): per model the plain and
+    unbudgeted runs, then ``repeats`` rounds of one managed run per budget
+    (rounds interleaved, so that load on the machine spreads over all
+    budgets). The machine is shared, so what the prediction uses is measured
+    in the same window: the ``cpu-host`` link is calibrated before every
+    managed run, and the step is traced (op durations) before the first
+    round and after the last (saved under ``trace_dir``). Returns plain data
+    (JSON), with the load average before each run."""
+    import dataclasses
     import os
 
-    torch.set_num_threads(1)
-    os.environ["MEMBUDGET_ACTIONS"] = actions  # the workers read it in install()
+    from membudget import costs
+
     command = [sys.executable, "-m", "membudget.demo"]
-    print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
-          "stall+recompute predicted | unpack stall predicted | unpack stall measured | step overhead measured |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("gpt", "cnn"):
-        workload = models.WORKLOADS[name][size]()
-        base = dict(model=name, size=size, steps=steps, threads=1)
+    out = {"size": size, "steps": steps, "warmup": warmup, "actions": actions, "models": {}, "calibrations": []}
+
+    def calibrate():
+        model = dataclasses.asdict(costs.calibrate_cpu_host())
+        out["calibrations"].append({key: model[key] for key in ("flops_per_s", "memory_bytes_per_s", "launch_s",
+                                                                 *_LINK_FIELDS)})
+
+    def trace(name: str, index: int) -> str:
+        path = trace_dir / f"{name}-{index}.trace"
+        _trace_workload(models.WORKLOADS[name][size]()).save(path)
+        return str(path)
+
+    for name in names:
+        base = dict(model=name, size=size, steps=steps, threads=1, actions=actions)
         plain = harness.spawn_worker(command, harness.RunSpec(mode="plain", **base))
         free = harness.spawn_worker(command, harness.RunSpec(mode="unbudgeted", **base))
         if "error" in plain or "error" in free:
-            print(f"| {name} | run failed: {plain.get('error') or free.get('error')} |")
-            continue
+            raise RuntimeError(f"{name}: {plain.get('error') or free.get('error')}")
         peak = free["stats"]["reserved_bytes.all.peak"]
-        trace = _trace_workload(workload)
-        budgets = [int(f * peak) for f in fractions]
-        predicted = {r.budget_bytes: r for r in simulate(
-            trace, [peak, *budgets], ["delta"], "cpu-host", baselines=(),
-            min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=actions)}
-        for fraction, budget in zip([1.0, *fractions], [peak, *budgets]):
-            if fraction == 1.0:
-                real = free
-            else:
-                real = harness.spawn_worker(command, harness.RunSpec(mode="managed", budget=budget, policy="delta",
-                                                                     **base))
-            p = predicted[budget]
-            if "error" in real:
-                print(f"| {name} | {fraction:.0%} | {p.peak_reserved_bytes / MiB:.1f} MiB | run failed | | | | |")
+        model = {"plain": plain, "unbudgeted": free, "peak": peak, "runs": {}, "traces": [trace(name, 0)]}
+        for _ in range(repeats):
+            for fraction in fractions:
+                budget = int(fraction * peak)
+                calibrate()
+                load = os.getloadavg()[0]
+                run = harness.spawn_worker(command, harness.RunSpec(mode="managed", budget=budget, policy="delta",
+                                                                    **base))
+                run["load_before"] = load
+                model["runs"].setdefault(str(fraction), []).append(run)
+                print(f"  {name} {fraction:.0%}: load {load:.1f}, "
+                      f"{'failed: ' + run['error'] if 'error' in run else 'done'}", file=sys.stderr, flush=True)
+        model["traces"].append(trace(name, 1))
+        out["models"][name] = model
+    return out
+
+
+def window_device(measured: dict):
+    """The ``cpu-host`` model of the measurement window: each calibrated
+    figure's median over the calibrations taken beside the runs."""
+    import dataclasses
+    import statistics
+
+    from membudget import costs
+
+    base = costs.device_model("cpu-host")
+    calibrations = measured.get("calibrations") or []
+    if not calibrations:
+        return base
+    fields = {key: statistics.median(c[key] for c in calibrations)
+              for key in ("memory_bytes_per_s", "launch_s", *_LINK_FIELDS)}
+    fields["flops_per_s"] = {k: statistics.median(c["flops_per_s"][k] for c in calibrations)
+                             for k in calibrations[0]["flops_per_s"]}
+    spread = {key: (min(c[key] for c in calibrations), max(c[key] for c in calibrations)) for key in _LINK_FIELDS}
+    note = (f"median of {len(calibrations)} calibrations beside the runs: link "
+            f"{fields['link_bytes_per_s'] / 1e9:.1f} GB/s ({spread['link_bytes_per_s'][0] / 1e9:.1f}-"
+            f"{spread['link_bytes_per_s'][1] / 1e9:.1f}), duplex share {fields['link_duplex_share']:.2f} "
+            f"({spread['link_duplex_share'][0]:.2f}-{spread['link_duplex_share'][1]:.2f}), compute share "
+            f"{fields['link_compute_share']:.2f} ({spread['link_compute_share'][0]:.2f}-"
+            f"{spread['link_compute_share'][1]:.2f}), hand-off {fields['link_latency_s'] * 1e6:.0f} us "
+            f"({spread['link_latency_s'][0] * 1e6:.0f}-{spread['link_latency_s'][1] * 1e6:.0f})")
+    return dataclasses.replace(base, note=note, **fields)
+
+
+def window_trace(paths):
+    """The first trace with each op's duration the median over all the traces
+    of the window (same program: same ops in the same order)."""
+    import statistics
+
+    from membudget.trace import Trace
+
+    traces = [Trace.load(p) for p in paths]
+    first = traces[0]
+    if any(len(t.ops) != len(first.ops) or [o.name for o in t.ops] != [o.name for o in first.ops]
+           for t in traces[1:]):
+        return first
+    for index, op in enumerate(first.ops):
+        if op.duration_s is not None:
+            op.duration_s = statistics.median(t.ops[index].duration_s for t in traces)
+    return first
+
+
+def predict(measured: dict, device) -> dict:
+    """Simulate each measured model's traced step at the measured budgets on
+    ``device`` (a DeviceModel): rows by model and fraction."""
+    rows = {}
+    for name, model in measured["models"].items():
+        if model.get("traces"):
+            trace = window_trace(model["traces"])
+        else:
+            trace = _trace_workload(models.WORKLOADS[name][measured["size"]]())
+        fractions = [float(f) for f in model["runs"]]
+        budgets = [model["peak"], *(int(f * model["peak"]) for f in fractions)]
+        sim = simulate(trace, budgets, ["delta"], device, baselines=(),
+                       min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=measured["actions"])
+        rows[name] = {f: r for f, r in zip(["1.0", *model["runs"]], sim)}
+    return rows
+
+
+def _median(values) -> float:
+    import statistics
+
+    return statistics.median(values) if values else 0.0
+
+
+def report(measured: dict, predicted: dict) -> None:
+    """Print the validation table (see the module doc) from measured runs and
+    their predictions."""
+    warmup = measured["warmup"]
+    print("| model | budget | peak predicted | peak measured | error | swapped predicted | swapped measured | "
+          "stall+recompute predicted | stall+recompute measured (median, mean) | error | per-run medians | "
+          "copy waits predicted / measured | recompute predicted / measured less its waits (count) | "
+          "unpack stall predicted | unpack stall + recompute measured | misses predicted / measured | loads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, model in measured["models"].items():
+        free, plain = model["unbudgeted"], model["plain"]
+        p = predicted[name]["1.0"]
+        peak = free["stats"]["reserved_bytes.all.peak"]
+        print(f"| {name} | 100% ({model['peak'] / MiB:.1f} MiB) | {p.peak_reserved_bytes / MiB:.1f} MiB | "
+              f"{peak / MiB:.1f} MiB | {(p.peak_reserved_bytes - peak) / peak:+.1%} | "
+              f"{p.swap_bytes / MiB:.0f} MiB | 0 MiB | {(p.stall_s + p.recompute_s) * 1e3:.1f} ms | "
+              f"0.0 ms | | | | | {p.unpack_stall_s * 1e3:.1f} ms | | | (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
+              f"predicted {p.step_s * 1e3:.0f} ms) |")
+        for fraction, runs in model["runs"].items():
+            p = predicted[name][fraction]
+            runs = [r for r in runs if "error" not in r]
+            if not runs:
+                print(f"| {name} | {float(fraction):.0%} | run failed |")
                 continue
-            measured = real["stats"]["reserved_bytes.all.peak"]
-            # The run's counters cover all its steps: per step, to compare with one simulated step.
-            swapped = (real["stats"]["swap_out_bytes"] + real["stats"]["swap_in_bytes"]) / steps
-            stall = real["stats"]["stall_seconds"] / steps
-            overhead = real["median_step_s"] - plain["median_step_s"]
-            print(f"| {name} | {fraction:.0%} ({budget / MiB:.1f} MiB) | "
-                  f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | "
-                  f"{measured / MiB:.1f} MiB | {(p.peak_reserved_bytes - measured) / measured:+.1%} | "
-                  f"{p.swap_bytes / MiB:.0f} MiB | {swapped / MiB:.0f} MiB | "
-                  f"{(p.stall_s + p.recompute_s) * 1e3:.1f} ms | {p.unpack_stall_s * 1e3:.1f} ms | "
-                  f"{stall * 1e3:.1f} ms | "
-                  f"{overhead * 1e3:.1f} ms (plain step {plain['median_step_s'] * 1e3:.0f} ms, "
-                  f"predicted step {p.step_s * 1e3:.0f} ms) |")
+            budget = runs[0]["spec"]["budget"]
+            peak = max(r["stats"]["reserved_bytes.all.peak"] for r in runs)
+            # Per steady-state step, over every run at this budget: the
+            # simulator's stall_s counts every wait for a copy, which is what
+            # the copy timeline's wait_seconds counts on the real clock; a
+            # replay's wall time (recompute_seconds) already holds the waits
+            # made inside it, so those are counted once.
+            waits = [r_total for r in runs for r_total in _stall_and_recompute(r, warmup)]
+            unpack = [w + c for r in runs for w, c in zip(_steady(r, warmup, "stall_seconds"),
+                                                           _steady(r, warmup, "recompute_seconds"))]
+            swapped = [a + b for r in runs for a, b in zip(_steady(r, warmup, "swap_in_bytes"),
+                                                           _steady(r, warmup, "swap_out_bytes"))]
+            misses = [m for r in runs for m in _steady(r, warmup, "prefetch_misses")]
+            copy_waits = [w for r in runs for w in _steady(r, warmup, "wait_seconds")]
+            recomputed = [c - w for r in runs for c, w in zip(_steady(r, warmup, "recompute_seconds"),
+                                                              _steady(r, warmup, "recompute_wait_seconds"))]
+            recompute_counts = [c for r in runs for c in _steady(r, warmup, "recompute_count")]
+            predicted_total = p.stall_s + p.recompute_s
+            measured_total = _median(waits)
+            error = (predicted_total - measured_total) / measured_total if measured_total > 0 else float("nan")
+            loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
+            per_run = ", ".join(f"{_median(_stall_and_recompute(r, warmup)) * 1e3:.1f}" for r in runs)
+            print(f"| {name} | {float(fraction):.0%} ({budget / MiB:.1f} MiB) | "
+                  f"{p.peak_reserved_bytes / MiB:.1f} MiB{'' if p.feasible else ' (OOM)'} | {peak / MiB:.1f} MiB | "
+                  f"{(p.peak_reserved_bytes - peak) / peak:+.1%} | {p.swap_bytes / MiB:.0f} MiB | "
+                  f"{_median(swapped) / MiB:.0f} MiB | {predicted_total * 1e3:.1f} ms | "
+                  f"{measured_total * 1e3:.1f} ms, {sum(waits) / len(waits) * 1e3:.1f} ms | {error:+.0%} | {per_run} ms | "
+                  f"{p.stall_s * 1e3:.1f} / {_median(copy_waits) * 1e3:.1f} ms | "
+                  f"{p.recompute_s * 1e3:.1f} ({p.recompute_count}) / {_median(recomputed) * 1e3:.1f} ms "
+                  f"({_median(recompute_counts):g}) | "
+                  f"{(p.unpack_stall_s + p.recompute_s) * 1e3:.1f} ms | {_median(unpack) * 1e3:.1f} ms | "
+                  f"{p.prefetch_misses} / {_median(misses):g} | {loads} |")
         sys.stdout.flush()
+
+
+def ablate(measured: dict) -> None:
+    """The link model part by part against one measurement: main's model
+    before this branch (torch copy rate, a GPU's pages), the host backend's
+    copy rate alone, then with the duplex and compute shares, then with the
+    hand-off latency (the full window model)."""
+    import dataclasses
+    import statistics
+
+    final = window_device(measured)
+    torch_copy = statistics.median(c["memory_bytes_per_s"] for c in measured["calibrations"]) / 2
+    variants = {
+        f"torch copy rate ({torch_copy / 1e9:.1f} GB/s), 2 MiB pages": dataclasses.replace(
+            final, link_bytes_per_s=torch_copy, link_duplex_share=1.0, link_compute_share=1.0, link_latency_s=0.0,
+            page_bytes=2 << 20),
+        "host-backend copy rate": dataclasses.replace(final, link_duplex_share=1.0, link_compute_share=1.0,
+                                                      link_latency_s=0.0),
+        "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0),
+        "+ hand-off latency (the model)": final,
+    }
+    warmup = measured["warmup"]
+    points = {(name, f): _median([x for r in runs if "error" not in r for x in _stall_and_recompute(r, warmup)])
+              for name, model in measured["models"].items() for f, runs in model["runs"].items()}
+    print("| link model | " + " | ".join(f"{n} {float(f):.0%}" for n, f in points) + " |")
+    print("|---|" + "---|" * len(points))
+    print("| measured stall+recompute (median) | " + " | ".join(f"{v * 1e3:.1f} ms" for v in points.values()) + " |")
+    for label, device in variants.items():
+        rows = predict(measured, device)
+        cells = []
+        for (n, f), m in points.items():
+            p = rows[n][f].stall_s + rows[n][f].recompute_s
+            cells.append(f"{p * 1e3:.1f} ms" + (f" ({(p - m) / m:+.0%})" if m > 0 else ""))
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def validate(size: str, fractions, steps: int, warmup: int, repeats: int, actions: str, models_: str,
+             save: str = None, load: str = None, variants: bool = False) -> None:
+    """Measure (or ``load`` earlier measurements), predict with the
+    ``cpu-host`` model, print the table."""
+    import json
+
+    import tempfile
+
+    torch.set_num_threads(1)
+    if load:
+        measured = json.loads(Path(load).read_text())
+    else:
+        trace_dir = Path(save).with_suffix("") if save else Path(tempfile.mkdtemp(prefix="membudget-validate-"))
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        measured = measure(models_.split(","), size, fractions, steps, warmup, repeats, actions, trace_dir)
+        if save:
+            Path(save).write_text(json.dumps(measured))
+    device = window_device(measured)
+    if variants:
+        ablate(measured)
+        return
+    print(f"cpu-host model: {device.note}")
+    report(measured, predict(measured, device))
 
 
 def table(names, budgets, device: str) -> None:
@@ -141,15 +353,23 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate")
     v.add_argument("--quick", action="store_true", help="the small test-sized workloads")
-    v.add_argument("--steps", type=int, default=5)
+    v.add_argument("--steps", type=int, default=10)
+    v.add_argument("--warmup", type=int, default=2, help="steps left out of the measured per-step numbers")
+    v.add_argument("--repeats", type=int, default=2, help="managed runs per budget (interleaved rounds)")
+    v.add_argument("--models", default="gpt,cnn")
+    v.add_argument("--save", help="write the real runs' results here (JSON)")
+    v.add_argument("--load", help="predict against results saved by --save instead of running")
     v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
+    v.add_argument("--variants", action="store_true",
+                   help="with --load: stall+recompute under the link model part by part")
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
     t.add_argument("--budgets", default="80%,60%,40%")
     t.add_argument("--device", default="h200")
     args = parser.parse_args()
     if args.command == "validate":
-        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.actions)
+        validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.warmup, args.repeats,
+                 args.actions, args.models, args.save, args.load, args.variants)
     else:
         table(args.models.split(","), args.budgets.split(","), args.device)
     return 0

@@ -79,3 +79,37 @@ def test_events_on_held_streams_stay_pending_until_release():
     backend.stream_wait(0, event)  # returns: the event is complete
     with pytest.raises(ValueError):
         backend.hold_stream(0)
+
+
+def test_copy_timeline_records_copies_and_the_waits_on_them():
+    # Note [Copy timeline]: a copy held behind a virtual stream cannot be
+    # done when the main thread starts waiting for it, so that wait blocks and
+    # is recorded against that copy; totals count every copy.
+    import threading
+
+    backend = core.HostBackend()
+    device = backend.device_alloc(64 * KiB)
+    host = backend.host_alloc(64 * KiB)
+    backend.write_bytes(device, b"y" * 64 * KiB)
+    backend.set_copy_timeline(True)
+    backend.hold_stream(5)
+    blocked = backend.copy_to_host(host, device, 64 * KiB, after=5)
+    releaser = threading.Timer(0.05, backend.release_stream, args=(5,))
+    releaser.start()
+    blocked.wait()
+    releaser.join()
+    backend.copy_to_device(device, host, 64 * KiB).wait()
+    timeline = backend.copy_timeline()
+    totals = timeline["totals"]
+    assert (totals["copies.d2h"], totals["copies.h2d"]) == (1, 1)
+    assert (totals["bytes.d2h"], totals["bytes.h2d"]) == (64 * KiB, 64 * KiB)
+    (out, back) = sorted(timeline["copies"], key=lambda c: c[1])  # d2h, h2d
+    index, direction, size, enqueued, started, finished = out
+    assert (direction, size) == ("d2h", 64 * KiB) and enqueued <= started <= finished
+    waited = [w for w in timeline["waits"] if w[0] == index]
+    assert len(waited) == 1 and waited[0][1] <= waited[0][2]
+    assert totals["waits"] >= 1
+    backend.set_copy_timeline(False)  # clears the records and the totals
+    assert backend.copy_timeline()["totals"]["copies.d2h"] == 0 and backend.copy_timeline()["copies"] == []
+    backend.device_free(device, 64 * KiB)
+    backend.host_free(host, 64 * KiB)

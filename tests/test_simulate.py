@@ -25,12 +25,12 @@ def gpt_trace():
                            setup=w.build, metadata={"model": "gpt-quick"})
 
 
-def _replay(program, budget, link=1e9, use_manager=False, policy="delta"):
+def _replay(program, budget, link=1e9, use_manager=False, policy="delta", **link_model):
     from membudget._native import load_extension
 
     return load_extension().sim.replay(program.tensor_bytes, program.codes, program.tensors, program.seconds,
                                        program.prologue_length, budget, 1 << 40, link, use_manager, policy,
-                                       0, 1.0, 1)
+                                       0, 1.0, 1, record_timeline=True, **link_model)
 
 
 def test_sim_backend_time_by_hand():
@@ -65,6 +65,53 @@ def test_async_copy_overlaps_compute():
     prog.emit(Code.FREE, 0)
     r = _replay(prog, budget=1 << 30)
     assert r["stall_s"] == pytest.approx(0.05)
+
+
+def _two_way_program():
+    # A goes out and comes back while B goes out: both copy streams busy at once.
+    prog = Program(tensor_bytes=[100_000_000, 100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.ALLOC, 1)
+    prog.emit(Code.OFFLOAD_SYNC, 0)    # alone: 0.1 s at 1 GB/s
+    prog.emit(Code.RELEASE, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 1)   # D2H ...
+    prog.emit(Code.PREFETCH, 0)        # ... and H2D together
+    prog.emit(Code.RESTORE, 0)
+    prog.emit(Code.FREE, 0)
+    prog.emit(Code.FREE, 1)
+    return prog
+
+
+def test_full_duplex_link_runs_both_directions_at_full_rate():
+    r = _replay(_two_way_program(), budget=1 << 30)
+    assert r["stall_s"] == pytest.approx(0.2)  # 0.1 out, then 0.1 for the restore (B's copy ends with it)
+
+
+def test_shared_link_splits_its_rate_between_directions():
+    # Note [Modelled link]: with both streams busy each gets 0.5 GB/s, so the
+    # restore waits 0.2 s; B's copy ends with it.
+    r = _replay(_two_way_program(), budget=1 << 30, link_duplex_share=0.5)
+    assert r["stall_s"] == pytest.approx(0.3)
+    copies = r["timeline"]["copies"]
+    assert [c[1] for c in copies] == ["d2h", "d2h", "h2d"]
+    assert [c[5] for c in copies] == pytest.approx([0.1, 0.3, 0.3])
+    assert sum(w[2] - w[1] for w in r["timeline"]["waits"]) == pytest.approx(r["stall_s"])
+
+
+def test_copy_beside_compute_runs_at_the_compute_share():
+    # 100 MB out at 1 GB/s, half of it while 0.1 s of compute runs (0.5 GB/s
+    # beside compute): the other 50 MB take 0.05 s of stall at the idle rate.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)            # a copy cannot outlive its source: waits
+    r = _replay(prog, budget=1 << 30, link_compute_share=0.5)
+    assert r["stall_s"] == pytest.approx(0.05)
+    assert r["total_s"] == pytest.approx(0.15)
+    (copy,) = r["timeline"]["copies"]
+    assert copy[1:3] == ("d2h", 100_000_000) and copy[5] == pytest.approx(0.15)
+    assert r["timeline"]["waits"][0][0] == copy[0]  # the wait names the copy it waited for
 
 
 def test_replay_reports_oom_as_infeasible():
@@ -215,3 +262,17 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
                                     1 << 40, 1e9, True, "delta", 100_000_000, 0.8, 2)
     assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
+
+
+@pytest.mark.parametrize("compute_share", [1.0, 0.5])
+def test_copy_starts_a_latency_after_it_is_issued(compute_share):
+    # 10 ms of hand-off before the 0.1 s copy, on the closed-form path (GPU
+    # shares) and on the piecewise one.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_SYNC, 0)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
+    assert r["stall_s"] == pytest.approx(0.11)
+    (copy,) = r["timeline"]["copies"]
+    assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -22,30 +23,52 @@ namespace {
 // than any block alignment the allocator relies on (kMinBlockSize).
 constexpr size_t kHostAlignmentBytes = 4096;
 
+// Wall-clock origin and the Note [Copy timeline] of one backend, shared with
+// the copy events it returns (which may outlive it).
+struct CopyClock {
+  std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
+  CopyTimeline timeline;
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin).count();
+  }
+};
+
 // An event completed by another thread. ready() reads an atomic flag so that
-// it never blocks; wait() sleeps on the condition variable.
+// it never blocks; wait() sleeps on the condition variable. A copy's event
+// carries its backend's CopyClock: a wait that blocks is recorded there.
 class HostEvent final : public Event {
  public:
+  HostEvent() = default;
+  explicit HostEvent(std::shared_ptr<CopyClock> clock) : clock_(std::move(clock)) {}
+
   bool ready() override { return done_.load(std::memory_order_acquire); }
 
   void wait() override {
     if (ready()) return;
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_changed_.wait(lock, [this] { return ready(); });
+    const double started = clock_ ? clock_->seconds() : 0.0;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_changed_.wait(lock, [this] { return ready(); });
+    }
+    if (clock_) clock_->timeline.add_wait(WaitRecord{copy_index_, started, clock_->seconds()});
   }
 
-  void complete() {
+  // `copy_index`: the copy's record in the timeline (-1: none).
+  void complete(int64_t copy_index = -1) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      copy_index_ = copy_index;
       done_.store(true, std::memory_order_release);
     }
     done_changed_.notify_all();
   }
 
  private:
+  std::shared_ptr<CopyClock> clock_;
   std::atomic<bool> done_{false};
   std::mutex mutex_;
   std::condition_variable done_changed_;
+  int64_t copy_index_ = -1;
 };
 
 void* aligned_or_null(size_t bytes) {
@@ -61,7 +84,8 @@ void* aligned_or_null(size_t bytes) {
 // one copy stream stay in issue order, as on a CUDA stream.
 class CopyStream {
  public:
-  CopyStream() : worker_([this] { run(); }) {}
+  CopyStream(CopyDirection direction, std::shared_ptr<CopyClock> clock)
+      : direction_(direction), clock_(std::move(clock)), worker_([this] { run(); }) {}
 
   ~CopyStream() {
     {
@@ -73,10 +97,10 @@ class CopyStream {
   }
 
   EventPtr enqueue(void* dst, const void* src, size_t bytes, EventPtr after) {
-    auto done = std::make_shared<HostEvent>();
+    auto done = std::make_shared<HostEvent>(clock_);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.push_back(Job{dst, src, bytes, std::move(after), done});
+      jobs_.push_back(Job{dst, src, bytes, std::move(after), done, clock_->seconds()});
       pending_.fetch_add(1, std::memory_order_relaxed);
     }
     work_arrived_.notify_one();
@@ -92,6 +116,7 @@ class CopyStream {
     size_t bytes;
     EventPtr after;
     std::shared_ptr<HostEvent> done;
+    double enqueued_s;
   };
 
   // Drains the queue; on shutdown it finishes the jobs already queued so that
@@ -107,9 +132,12 @@ class CopyStream {
         jobs_.pop_front();
       }
       if (job.after) job.after->wait();
+      const double started = clock_->seconds();
       if (job.bytes > 0) std::memcpy(job.dst, job.src, job.bytes);
+      const int64_t index =
+          clock_->timeline.add_copy(CopyRecord{-1, direction_, job.bytes, job.enqueued_s, started, clock_->seconds()});
       pending_.fetch_sub(1, std::memory_order_relaxed);
-      job.done->complete();
+      job.done->complete(index);
     }
   }
 
@@ -118,6 +146,8 @@ class CopyStream {
   std::deque<Job> jobs_;
   std::atomic<size_t> pending_{0};  // queued + running
   bool stopping_ = false;
+  const CopyDirection direction_;
+  std::shared_ptr<CopyClock> clock_;
   std::thread worker_;  // last: starts after the members it uses exist
 };
 
@@ -145,8 +175,10 @@ struct HostBackend::Impl {
   std::mutex streams_mutex;
   std::unordered_map<Stream, std::vector<std::shared_ptr<HostEvent>>> held_streams;
 
-  CopyStream device_to_host;
-  CopyStream host_to_device;
+  // Before the streams: their workers use it.
+  std::shared_ptr<CopyClock> copy_clock = std::make_shared<CopyClock>();
+  CopyStream device_to_host{CopyDirection::device_to_host, copy_clock};
+  CopyStream host_to_device{CopyDirection::host_to_device, copy_clock};
 };
 
 HostBackend::HostBackend(size_t capacity_bytes)
@@ -279,6 +311,8 @@ size_t HostBackend::pending_copies(CopyDirection direction) const {
   return direction == CopyDirection::device_to_host ? impl_->device_to_host.pending()
                                                     : impl_->host_to_device.pending();
 }
+
+CopyTimeline& HostBackend::copy_timeline() { return impl_->copy_clock->timeline; }
 
 void HostBackend::hold_stream(Stream stream) {
   if (stream == nullptr) {

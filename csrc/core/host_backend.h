@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "backend.h"
+#include "copy_timeline.h"
 
 namespace membudget {
 
@@ -48,6 +49,9 @@ class HostBackend final : public Backend {
   bool map_pages(void* ptr, size_t bytes) override;
   void unmap_pages(void* ptr, size_t bytes) override;
   bool move_pages(void* from, void* to, size_t bytes) override;
+
+  // Note [Copy timeline] on the wall clock (seconds since this backend was made).
+  CopyTimeline& copy_timeline();
 
   // Bytes currently handed out by device_alloc or mapped by map_pages.
   size_t device_bytes_in_use() const;

@@ -5,11 +5,13 @@
 //
 // Note [Modelled time]: the compute stream is the caller, as on HostBackend:
 // run_compute(s) advances the clock by an op's modelled duration. Each copy
-// stream (D2H, H2D) is a queue served at the link bandwidth: a copy starts at
-// max(now, when the stream's previous copy ends) and its event is ready once
-// the clock reaches its end. Waiting for an event that is not ready (a
-// synchronous swap, an unpack whose swap-in is still in flight) moves the
-// clock to the event's end and counts the difference as stall.
+// stream (D2H, H2D) is a FIFO served by the link (sim_link.h): on a GPU's
+// link a copy starts at max(now, when the stream's previous copy ends), runs
+// at the link bandwidth, and its event is ready once the clock reaches its
+// end; Note [Modelled link] gives the host's shared, contended link. Waiting
+// for an event that is not ready (a synchronous swap, an unpack whose
+// swap-in is still in flight) moves the clock to the copy's end and counts
+// the difference as stall.
 //
 // Note [Side stream contention]: a replay ahead of use (Note [Recompute
 // ahead]) runs on a side compute stream, concurrently with backward. A GPU
@@ -25,24 +27,27 @@
 // it as a parameter and the bench reports a range.
 #pragma once
 #include <cstdint>
-#include <deque>
 #include <memory>
 
 #include "backend.h"
+#include "copy_timeline.h"
+#include "sim_link.h"
 
 namespace membudget {
 
-// The shared clock of one simulated device; events point at it.
-struct SimClock {
-  double now = 0.0;           // seconds since the simulation started
-  double stall_seconds = 0.0; // time the compute stream spent waiting for copies
-};
+// The physical allocation granularity of current NVIDIA GPUs
+// (cuMemGetAllocationGranularity), for expandable segments.
+constexpr size_t kGpuPageBytes = size_t{2} << 20;
 
 class SimBackend final : public Backend {
  public:
   // `capacity_bytes`: device memory size (device_alloc refuses beyond it).
   // `link_bytes_per_s`: one direction of the host link.
   SimBackend(size_t capacity_bytes, double link_bytes_per_s);
+  // `link`: Note [Modelled link]. `page_bytes`: the granularity of
+  // expandable segments (0: a GPU's, kGpuPageBytes; the host backend's is the
+  // OS page).
+  SimBackend(size_t capacity_bytes, const LinkModel& link, size_t page_bytes = 0);
   ~SimBackend() override;
 
   std::string name() const override { return "sim"; }
@@ -56,8 +61,9 @@ class SimBackend final : public Backend {
   EventPtr copy_to_host(void* host_dst, const void* device_src, size_t bytes, Stream after) override;
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes, Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
-  // Note [Expandable segments] with a GPU's 2 MiB granularity: reservations
-  // are fresh address ranges, mapped pages count against the capacity.
+  // Note [Expandable segments] at the modelled device's page granularity:
+  // reservations are fresh address ranges, mapped pages count against the
+  // capacity.
   size_t page_bytes() const override;
   void* reserve_address_range(size_t bytes) override;
   void release_address_range(void*, size_t) override {}
@@ -79,6 +85,8 @@ class SimBackend final : public Backend {
   // Seconds one copy of `bytes` occupies a copy stream.
   double copy_seconds(size_t bytes) const;
   size_t device_bytes_in_use() const { return device_in_use_; }
+  // Note [Copy timeline] on modelled time.
+  CopyTimeline& copy_timeline() { return clock_->timeline; }
   // Bytes copied so far, per direction.
   size_t copied_bytes(CopyDirection direction) const;
 
@@ -86,17 +94,14 @@ class SimBackend final : public Backend {
   EventPtr enqueue_copy(CopyDirection direction, size_t bytes);
 
   const size_t capacity_bytes_;
-  const double link_bytes_per_s_;
+  const size_t page_bytes_;
   std::shared_ptr<SimClock> clock_;
+  std::shared_ptr<SimLink> link_;
   uintptr_t next_device_address_;
   uintptr_t next_host_address_;
   size_t device_in_use_ = 0;
-  double copy_stream_free_at_[2] = {0.0, 0.0};  // indexed by CopyDirection
-  double side_stream_free_at_ = 0.0;            // Note [Side stream contention]
-  size_t copied_bytes_[2] = {0, 0};
-  // End times of queued copies, per direction, for pending_copies(); the
-  // finished ones are dropped lazily there.
-  mutable std::deque<double> pending_[2];
+  size_t copied_bytes_[2] = {0, 0};  // indexed by CopyDirection
+  double side_stream_free_at_ = 0.0;  // Note [Side stream contention]
 };
 
 }  // namespace membudget

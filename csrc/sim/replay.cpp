@@ -94,7 +94,10 @@ class Replayer {
  public:
   Replayer(const ReplayProgram& program, const ReplayConfig& config)
       : program_(program), config_(config),
-        backend_(config.capacity_bytes, config.link_bytes_per_s),
+        backend_(config.capacity_bytes,
+                 LinkModel{config.link_bytes_per_s, config.link_duplex_share, config.link_compute_share,
+                           config.link_latency_s},
+                 config.page_bytes),
         device_(backend_, MemoryKind::device, config.budget_bytes, "device", config.expandable_segments),
         host_tier_(backend_, MemoryKind::host, config.host_budget_bytes, "host tier"),
         manager_(backend_, device_, host_tier_, config.manager), pending_frees_(device_),
@@ -139,6 +142,8 @@ class Replayer {
     start_d2h_ = backend_.copied_bytes(CopyDirection::device_to_host);
     start_h2d_ = backend_.copied_bytes(CopyDirection::host_to_device);
     compute_s_ = recompute_s_ = recompute_ahead_s_ = 0.0;
+    backend_.copy_timeline().clear();
+    backend_.copy_timeline().set_enabled(config_.record_timeline);
   }
 
   void finish(ReplayResult& r) {
@@ -162,6 +167,10 @@ class Replayer {
     r.recompute_ahead_wasted = m.recompute_ahead_wasted;
     r.recompute_ahead_failed = m.recompute_ahead_failed;
     r.recompute_ahead_s = recompute_ahead_s_;
+    const CopyTimeline& timeline = backend_.copy_timeline();
+    r.copy_totals = timeline.totals();
+    r.copies = timeline.copies();
+    r.waits = timeline.waits();
   }
 
   void step(size_t i) {

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/copy_timeline.h"
 #include "core/residency_manager.h"
 
 namespace membudget {
@@ -63,6 +64,10 @@ struct ReplayConfig {
   size_t budget_bytes = 0;
   size_t capacity_bytes = 0;           // device memory of the modelled device
   double link_bytes_per_s = 1e10;
+  double link_duplex_share = 1.0;      // Note [Modelled link]
+  double link_latency_s = 0.0;
+  size_t page_bytes = 0;               // expandable segments' granularity (0: a GPU's 2 MiB)
+  double link_compute_share = 1.0;
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
   bool expandable_segments = true;     // as the runtime's default
@@ -71,6 +76,7 @@ struct ReplayConfig {
   // Note [Side stream contention]: the share of a side-stream replay that
   // backward's kernels leave room for (0: none, 1: all).
   double side_stream_overlap = 0.25;
+  bool record_timeline = false;        // keep the measured iteration's copies and waits
 };
 
 struct ReplayResult {
@@ -95,6 +101,11 @@ struct ReplayResult {
   size_t recompute_ahead_wasted = 0;
   size_t recompute_ahead_failed = 0;
   double recompute_ahead_s = 0.0;      // side-stream replay seconds (their compute-stream share is in recompute_s)
+  // Note [Copy timeline] of the measured iteration, on modelled time (the
+  // records only with ReplayConfig::record_timeline).
+  CopyTotals copy_totals;
+  std::vector<CopyRecord> copies;
+  std::vector<WaitRecord> waits;
 };
 
 // Runs the program (Note [Replay programs]); never throws for an OOM, which

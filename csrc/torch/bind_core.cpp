@@ -235,6 +235,14 @@ void bind_events_and_backends(py::module_& core) {
            py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = 0)
       .def("pending_copies",
            [](HostBackend& b, const std::string& d) { return b.pending_copies(parse_direction(d)); })
+      .def("copy_timeline", [](HostBackend& b) { return timeline_dict(b.copy_timeline()); },
+           "Note [Copy timeline]: totals, and the records kept since set_copy_timeline(True).")
+      .def("set_copy_timeline",
+           [](HostBackend& b, bool record, bool clear) {
+             if (clear) b.copy_timeline().clear();
+             b.copy_timeline().set_enabled(record);
+           },
+           py::arg("record"), py::arg("clear") = true)
       .def("hold_stream", [](HostBackend& b, uintptr_t s) { b.hold_stream(to_stream(s)); })
       .def("release_stream", [](HostBackend& b, uintptr_t s) { b.release_stream(to_stream(s)); })
       // Test helpers: raw access to memory this backend handed out.

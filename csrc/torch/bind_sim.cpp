@@ -36,6 +36,7 @@ py::dict to_dict(const ReplayResult& r) {
   d["recompute_ahead_wasted"] = r.recompute_ahead_wasted;
   d["recompute_ahead_failed"] = r.recompute_ahead_failed;
   d["recompute_ahead_s"] = r.recompute_ahead_s;
+  d["timeline"] = timeline_dict(r.copy_totals, r.copies, r.waits);
   return d;
 }
 
@@ -50,7 +51,8 @@ void bind_sim(py::module_& m) {
          double link_bytes_per_s, bool use_manager, const std::string& policy, size_t prefetch_bytes,
          double high_watermark, int iterations, const std::string& actions, std::vector<double> replay_seconds,
          std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments,
-         bool log_decisions, bool recompute_ahead, double side_stream_overlap) {
+         bool log_decisions, bool recompute_ahead, double side_stream_overlap, bool record_timeline,
+         double link_duplex_share, double link_compute_share, double link_latency_s, size_t page_bytes) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
                               prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
                               std::move(replay_inputs)};
@@ -69,6 +71,11 @@ void bind_sim(py::module_& m) {
         config.side_stream_overlap = side_stream_overlap;
         config.iterations = iterations;
         config.expandable_segments = expandable_segments;
+        config.record_timeline = record_timeline;
+        config.link_duplex_share = link_duplex_share;
+        config.page_bytes = page_bytes;
+        config.link_latency_s = link_latency_s;
+        config.link_compute_share = link_compute_share;
         ReplayResult result;
         {
           py::gil_scoped_release release;
@@ -83,6 +90,8 @@ void bind_sim(py::module_& m) {
       py::arg("replay_seconds") = std::vector<double>{}, py::arg("replay_input_offsets") = std::vector<int64_t>{},
       py::arg("replay_inputs") = std::vector<int64_t>{}, py::arg("expandable_segments") = true,
       py::arg("log_decisions") = false, py::arg("recompute_ahead") = false, py::arg("side_stream_overlap") = 0.25,
+      py::arg("record_timeline") = false, py::arg("link_duplex_share") = 1.0, py::arg("link_compute_share") = 1.0,
+      py::arg("link_latency_s") = 0.0, py::arg("page_bytes") = 0,
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");

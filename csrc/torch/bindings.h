@@ -3,6 +3,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <vector>
+
+#include "core/copy_timeline.h"
+
 namespace membudget {
 
 // bind_core.cpp: standalone CachingAllocator / HostBackend objects, for the
@@ -14,5 +18,12 @@ void bind_runtime(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 // bind_sim.cpp: the simulator's replay driver over SimBackend.
 void bind_sim(pybind11::module_& m);
+// bind_timeline.cpp: Note [Copy timeline] of the installed HostBackend.
+void bind_timeline(pybind11::module_& m);
+
+// Note [Copy timeline] as a dict of totals, copies and waits (bind_timeline.cpp).
+pybind11::dict timeline_dict(const CopyTotals& totals, const std::vector<CopyRecord>& copies,
+                             const std::vector<WaitRecord>& waits);
+pybind11::dict timeline_dict(const CopyTimeline& timeline);
 
 }  // namespace membudget

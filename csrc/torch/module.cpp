@@ -22,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   membudget::bind_runtime(m);
   membudget::bind_cuda(m);
   membudget::bind_sim(m);
+  membudget::bind_timeline(m);
   membudget::bind_op_observer(m);
 }

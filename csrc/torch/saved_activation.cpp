@@ -4,6 +4,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "core/copy_timeline.h"
 #include "core/residency_manager.h"
 #include "torch/runtime.h"
 
@@ -147,6 +148,12 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   }
   if (data != nullptr) return storage;
   auto start = std::chrono::steady_clock::now();
+  // Note [Copy timeline]: waits for copies inside the replay (its inputs'
+  // swap-ins, its allocation's evictions) are part of its recompute seconds.
+  struct ReplaySection {
+    ReplaySection() { CopyTimeline::enter_section(); }
+    ~ReplaySection() { CopyTimeline::leave_section(); }
+  } section;
   try {
     TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
                 "membudget: a dropped activation needs recomputation but no lineage is installed");

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
@@ -33,6 +35,7 @@ import torch
 __all__ = [
     "DeviceModel",
     "DEVICES",
+    "calibrate_cpu_host",
     "device_model",
     "op_category",
     "op_flops",
@@ -50,7 +53,10 @@ class DeviceModel:
     """A device as the cost model sees it. Rates are sustained, not peak-sheet,
     where a measurement exists. ``flops_per_s`` maps a dtype class
     (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``, ``"int"``) to FLOP/s;
-    ``link_bytes_per_s`` is one direction of the host link (swap copies)."""
+    ``link_bytes_per_s`` is one direction of the host link (swap copies),
+    alone and with the compute stream idle; ``link_duplex_share`` and
+    ``link_compute_share`` say how it slows when the other direction or the
+    compute stream runs beside it."""
 
     name: str
     memory_bytes: int
@@ -59,6 +65,20 @@ class DeviceModel:
     link_bytes_per_s: float
     launch_s: float
     note: str = ""
+    #: Note [Modelled link] (csrc/core/sim_link.h): the fraction of
+    #: ``link_bytes_per_s`` each direction keeps while the other also copies
+    #: (1.0: a full-duplex PCIe link; 0.5: memcpy threads sharing one memory bus).
+    link_duplex_share: float = 1.0
+    #: Fraction of the link rate a copy gets while the compute stream runs
+    #: (1.0: copy engines independent of the kernels, as on a GPU).
+    link_compute_share: float = 1.0
+    #: Seconds from issuing a copy to its earliest start (the host backend's
+    #: hand-off to its copy thread and back; kept 0 for the GPUs, whose copy
+    #: launch costs microseconds against milliseconds of copying).
+    link_latency_s: float = 0.0
+    #: The granularity of expandable segments' pages: a GPU's physical
+    #: allocation granularity, or the OS page on the host backend.
+    page_bytes: int = 2 << 20
 
     def flop_rate(self, dtype: Optional[torch.dtype]) -> float:
         """FLOP/s for arithmetic in ``dtype`` (fp32 when unknown)."""
@@ -111,9 +131,16 @@ _STATIC_DEVICES: Dict[str, DeviceModel] = {
 
 @functools.lru_cache(maxsize=1)
 def _calibrated_cpu_host() -> DeviceModel:
-    """Measure this machine once: fp32 matmul rate, copy bandwidth (which is
-    also the 'link' of the host backend, whose swaps are memcpys) and the
-    per-op dispatch overhead. Takes well under a second."""
+    """:func:`calibrate_cpu_host`, once per process."""
+    return calibrate_cpu_host()
+
+
+def calibrate_cpu_host() -> DeviceModel:
+    """Measure this machine now: fp32 matmul rate, memory bandwidth, the
+    per-op dispatch overhead, and the host backend's copy "link"
+    (:func:`_calibrate_host_link`). Takes about half a second. On a machine
+    shared with other work the link figures move with its load: a comparison
+    with real runs calibrates beside them (bench/bench_simulate.py validate)."""
     threads = torch.get_num_threads()
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -130,7 +157,7 @@ def _calibrated_cpu_host() -> DeviceModel:
     start = time.perf_counter()
     for _ in range(4):
         dst.copy_(src)
-    # A copy reads and writes every byte; the link figure is bytes moved.
+    # A copy reads and writes every byte; the bandwidth figure is bytes moved.
     copy_rate = 4 * src.numel() / (time.perf_counter() - start)
 
     tiny = torch.ones(4)
@@ -141,12 +168,98 @@ def _calibrated_cpu_host() -> DeviceModel:
 
     from .config import physical_memory_bytes
 
+    link = _calibrate_host_link()
+    link_rate = link["bytes_per_s"] if link else copy_rate
+    note = (f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch; "
+            + (f"host backend copies {link_rate / 1e9:.1f} GB/s alone, {link['both_bytes_per_s'] / 1e9:.1f} GB/s "
+               f"both directions together, x{link['compute_share']:.2f} beside compute, "
+               f"{link['latency_s'] * 1e6:.0f} us hand-off)" if link else
+               "no native build: link = torch copy rate)"))
     return DeviceModel(
         name="cpu-host", memory_bytes=int(physical_memory_bytes()),
         flops_per_s={"fp32": flop_rate, "bf16": flop_rate / 4, "fp16": flop_rate / 4,
                      "fp64": flop_rate / 2, "int": flop_rate / 2},
-        memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=copy_rate, launch_s=launch,
-        note=f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch)")
+        memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=link_rate, launch_s=launch, note=note,
+        link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
+        link_latency_s=link["latency_s"] if link else 0.0,
+        link_compute_share=link["compute_share"] if link else 1.0)
+
+
+#: Copies of this size calibrate the host link: what the benches swap (saved
+#: activations of 1-8 MiB), over more buffers than the last-level cache holds.
+_LINK_COPY_BYTES = 4 << 20
+_LINK_BUFFERS = 8
+
+
+def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
+    """The host backend's copy rates, measured through its own copy threads
+    (memcpy between pre-touched buffers, timed by the copy timeline, Note
+    [Copy timeline]): one direction alone; both directions at once
+    (``duplex_share``: each one's rate then, over its rate alone); one
+    direction while this thread runs compute (``compute_share``: that rate over
+    the rate alone); and ``latency_s``, the median time a synchronous copy of
+    one page takes beyond its memcpy (the hand-off to the copy thread and the
+    wake-up of the waiter). Each the median of ``trials`` rounds: other
+    processes on the machine take cores from the copy threads or from the
+    compute thread at random, which moves single rounds either way. None
+    without the native extension."""
+    try:
+        from ._native import load_extension
+
+        core = load_extension().core
+    except Exception:  # noqa: BLE001 - no native build: the caller falls back to torch's copy rate
+        return None
+    backend = core.HostBackend(0)
+    device = [backend.device_alloc(_LINK_COPY_BYTES) for _ in range(_LINK_BUFFERS)]
+    host = [backend.host_alloc(_LINK_COPY_BYTES) for _ in range(_LINK_BUFFERS)]
+    fill = b"\x01" * _LINK_COPY_BYTES
+    for address in device + host:
+        backend.write_bytes(address, fill)
+    # Compute that, like a training step's, streams through memory as well as
+    # multiplying: a matmul and a pointwise op over a few MiB.
+    a, w, x = torch.randn(1024, 256), torch.randn(256, 512), torch.randn(1024, 1024)
+
+    def rates(directions: Tuple[str, ...], computing: bool) -> Dict[str, float]:
+        backend.set_copy_timeline(False, True)
+        events = []
+        for _ in range(2):
+            for i in range(_LINK_BUFFERS):
+                if "d2h" in directions:
+                    events.append(backend.copy_to_host(host[i], device[i], _LINK_COPY_BYTES))
+                if "h2d" in directions:
+                    events.append(backend.copy_to_device(device[(i + 1) % _LINK_BUFFERS],
+                                                         host[(i + 3) % _LINK_BUFFERS], _LINK_COPY_BYTES))
+        while computing and not events[-1].ready():
+            torch.mm(a, w)
+            torch.nn.functional.gelu(x)
+        for event in events:
+            event.wait()
+        totals = backend.copy_timeline()["totals"]
+        return {lane: totals[f"bytes.{lane}"] / totals[f"busy_seconds.{lane}"]
+                for lane in directions if totals[f"busy_seconds.{lane}"] > 0}
+
+    def latency() -> float:
+        backend.set_copy_timeline(False, True)
+        overheads = []
+        for _ in range(16):
+            torch.mm(a[:256], w)  # the copy thread has gone back to sleep, as between two unpacks
+            start = time.perf_counter()
+            backend.copy_to_host(host[0], device[0], mmap.PAGESIZE).wait()
+            overheads.append(time.perf_counter() - start)
+        busy = backend.copy_timeline()["totals"]["busy_seconds.d2h"] / len(overheads)
+        return max(0.0, sorted(overheads)[len(overheads) // 2] - busy)
+
+    try:
+        rounds = [(rates(("d2h",), False)["d2h"], sum(rates(("d2h", "h2d"), False).values()),
+                   rates(("d2h",), True)["d2h"], latency()) for _ in range(trials)]
+        alone, both, beside, hand_off = (statistics.median(values) for values in zip(*rounds))
+    finally:
+        for address in device:
+            backend.device_free(address, _LINK_COPY_BYTES)
+        for address in host:
+            backend.host_free(address, _LINK_COPY_BYTES)
+    return {"bytes_per_s": alone, "both_bytes_per_s": both, "duplex_share": min(1.0, both / (2 * alone)),
+            "compute_share": max(0.05, min(1.0, beside / alone)), "latency_s": hand_off}
 
 
 DEVICES: Tuple[str, ...] = ("cpu-host", *_STATIC_DEVICES)

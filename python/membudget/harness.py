@@ -88,6 +88,21 @@ _STAT_KEYS = (
     "link_bytes_per_s",
 )
 
+# Counters also read after every step (``step_stats``), so that a comparison
+# can leave out the first steps: the first step has no unpack order to
+# prefetch by, so every swap-in it does is a synchronous miss.
+_STEP_STAT_KEYS = (
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "swap_in_count",
+    "prefetch_hits",
+    "prefetch_misses",
+    "stall_seconds",
+    "recompute_count",
+    "recompute_seconds",
+    "reserved_bytes.all.peak",
+)
+
 
 @dataclass
 class RunSpec:
@@ -175,7 +190,10 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     :class:`membudget.models.Workload` or anything with ``build``, ``batch`` and
     ``loss``) and return the result dict: losses, parameter digest, per-step
     seconds, their median, and for membudget runs the counters of
-    :func:`membudget.memory_stats` read right after the last step.
+    :func:`membudget.memory_stats` read right after the last step, and
+    ``step_stats``: some of them read after every step (cumulative), on the
+    cpu with the copy timeline's totals (``wait_seconds``: blocking waits on
+    copies; bytes, busy and queued seconds per direction).
 
     membudget is installed (for ``unbudgeted``/``managed``) before the model is
     built, its cached segments released and its peaks and counters reset, so
@@ -223,6 +241,7 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses: List[float] = []
     step_seconds: List[float] = []
+    step_stats: List[Dict[str, Any]] = []
     for _ in range(spec.steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -235,6 +254,13 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
         losses.append(loss.item())  # waits for the device
         step_seconds.append(time.perf_counter() - start)
         del loss, data
+        if membudget is not None:
+            stats = membudget.memory_stats()
+            step_stats.append({key: stats.get(key, 0) for key in _STEP_STAT_KEYS})
+            if device.type == "cpu":
+                # Every blocking wait on a copy (Note [Copy timeline]): the
+                # simulator's stall_s counts the same waits on modelled time.
+                step_stats[-1].update(load_extension().copy_timeline()["totals"])
 
     result: Dict[str, Any] = {"spec": dataclasses.asdict(spec), "losses": losses, "step_seconds": step_seconds,
                               "median_step_s": median_step_seconds(step_seconds),
@@ -242,6 +268,7 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     if membudget is not None:
         stats = membudget.memory_stats()
         result["stats"] = {key: stats.get(key, 0) for key in _STAT_KEYS}
+        result["step_stats"] = step_stats
         from . import _runtime
 
         # Forward ops lineage recorded over all steps (0: recomputation not allowed).

@@ -46,7 +46,9 @@ class SimRow:
     synchronous swap-outs on the allocation path). ``recomputed_ahead_count``
     counts replays ahead of use on the side stream (Note [Recompute ahead]);
     they are also in ``recompute_count``, and ``recompute_s`` holds only the
-    share of them the compute stream lost (Note [Side stream contention])."""
+    share of them the compute stream lost (Note [Side stream contention]).
+    ``prefetch_hits`` and ``prefetch_misses`` count unpacks that found their
+    tensor brought back ahead, or had to swap it in themselves."""
 
     policy: str
     budget_bytes: int
@@ -62,6 +64,8 @@ class SimRow:
     unpack_stall_s: float = 0.0
     recompute_count: int = 0
     recomputed_ahead_count: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
     error: str = ""
 
     def to_dict(self) -> Dict[str, object]:
@@ -82,7 +86,8 @@ def policies() -> List[str]:
 def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, capacity: int,
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
             window: int, actions: str = "swap", expandable_segments: bool = True,
-            recompute_ahead: bool = False, side_stream_overlap: float = 0.25) -> Dict[str, object]:
+            recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
+            record_timeline: bool = False) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
@@ -93,7 +98,9 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         policy if strategy == "manager" else "delta", prefetch_bytes,
         high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
         log_decisions=_log_decisions(), expandable_segments=expandable_segments,
-        recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap)
+        recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap, record_timeline=record_timeline,
+        link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
+        link_latency_s=device.link_latency_s, page_bytes=device.page_bytes)
 
 
 def _log_decisions() -> bool:
@@ -194,6 +201,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             overhead_ratio=(step / base if base > 0 else 1.0) if r["feasible"] else math.inf,
             unpack_stall_s=float(r["unpack_stall_s"]), recompute_count=int(r["recompute_count"]),
             recomputed_ahead_count=int(r["recomputed_ahead_count"]), step_s=step, floor_s=floors.get(b),
+            prefetch_hits=int(r["prefetch_hits"]), prefetch_misses=int(r["prefetch_misses"]),
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:

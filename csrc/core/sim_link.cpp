@@ -1,0 +1,129 @@
+#include "sim_link.h"
+
+#include <algorithm>
+
+namespace membudget {
+
+SimLink::SimLink(std::shared_ptr<SimClock> clock, const LinkModel& model)
+    : clock_(std::move(clock)), model_(model) {}
+
+double SimLink::copy_seconds(size_t bytes) const { return static_cast<double>(bytes) / model_.bytes_per_s; }
+
+std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes) {
+  const int lane = static_cast<int>(direction);
+  auto copy = std::make_shared<SimCopy>();
+  copy->direction = direction;
+  copy->bytes = bytes;
+  copy->remaining = static_cast<double>(bytes);
+  copy->enqueued_s = clock_->now;
+  copy->ready_s = clock_->now + model_.latency_s;
+  if (model_.independent()) {
+    // Closed form: a FIFO at a fixed rate (Note [Modelled time]).
+    const double start = std::max(copy->ready_s, lane_free_at_[lane]);
+    copy->started_s = start;
+    copy->done_at = start + copy_seconds(bytes);
+    lane_free_at_[lane] = copy->done_at;
+    copy->index = clock_->timeline.add_copy(CopyRecord{-1, direction, bytes, clock_->now, start, copy->done_at});
+  } else if (lanes_[lane].empty()) {
+    copy->started_s = copy->ready_s;
+  }
+  lanes_[lane].push_back(copy);
+  return copy;
+}
+
+void SimLink::run_compute(double seconds) {
+  const double until = clock_->now + std::max(0.0, seconds);
+  if (model_.independent()) {
+    clock_->now = until;
+  } else {
+    advance(until, /*computing=*/true, nullptr);
+  }
+}
+
+void SimLink::wait_for(const SimCopy& copy) {
+  if (copy.done_at <= clock_->now) return;
+  const double start = clock_->now;
+  if (model_.independent()) {
+    clock_->now = copy.done_at;
+  } else {
+    advance(std::numeric_limits<double>::infinity(), /*computing=*/false, &copy);
+  }
+  clock_->timeline.add_wait(WaitRecord{copy.index, start, clock_->now});
+  clock_->stall_seconds += clock_->now - start;
+}
+
+void SimLink::wait_until(double until) {
+  if (until <= clock_->now) return;
+  const double start = clock_->now;
+  if (model_.independent()) {
+    clock_->now = until;
+  } else {
+    advance(until, /*computing=*/false, nullptr);
+  }
+  clock_->stall_seconds += clock_->now - start;
+}
+
+size_t SimLink::pending(CopyDirection direction) {
+  auto& lane = lanes_[static_cast<int>(direction)];
+  // Ends are increasing within one stream: drop the finished front.
+  while (!lane.empty() && lane.front()->done_at <= clock_->now) lane.pop_front();
+  return lane.size();
+}
+
+void SimLink::finish_head(int lane) {
+  std::shared_ptr<SimCopy> copy = lanes_[lane].front();
+  lanes_[lane].pop_front();
+  copy->remaining = 0.0;
+  copy->done_at = clock_->now;
+  copy->index = clock_->timeline.add_copy(
+      CopyRecord{-1, copy->direction, copy->bytes, copy->enqueued_s, copy->started_s, copy->done_at});
+  if (!lanes_[lane].empty()) {
+    SimCopy& next = *lanes_[lane].front();
+    next.started_s = std::max(clock_->now, next.ready_s);
+  }
+}
+
+void SimLink::advance(double until, bool computing, const SimCopy* stop) {
+  constexpr double kNever = std::numeric_limits<double>::infinity();
+  for (;;) {
+    if (stop != nullptr && stop->done_at <= clock_->now) return;
+    // A lane moves bytes once its head copy is ready (Note [Modelled link]).
+    bool active[2];
+    double next_ready = kNever;
+    for (int lane = 0; lane < 2; ++lane) {
+      active[lane] = !lanes_[lane].empty() && lanes_[lane].front()->ready_s <= clock_->now;
+      if (!lanes_[lane].empty() && !active[lane]) next_ready = std::min(next_ready, lanes_[lane].front()->ready_s);
+    }
+    double rate = model_.bytes_per_s * (computing ? model_.compute_share : 1.0);
+    if (active[0] && active[1]) rate *= model_.duplex_share;
+    // Rates are constant until a head copy finishes or a waiting one becomes ready.
+    double step = next_ready - clock_->now;
+    for (int lane = 0; lane < 2; ++lane) {
+      if (active[lane]) step = std::min(step, lanes_[lane].front()->remaining / rate);
+    }
+    if (step == kNever) {  // nothing queued
+      if (until != kNever) clock_->now = std::max(clock_->now, until);
+      return;
+    }
+    if (clock_->now + step > until) {
+      const double moved = rate * (until - clock_->now);
+      for (int lane = 0; lane < 2; ++lane) {
+        if (active[lane]) lanes_[lane].front()->remaining -= moved;
+      }
+      clock_->now = until;
+      return;
+    }
+    for (int lane = 0; lane < 2; ++lane) {
+      if (active[lane]) lanes_[lane].front()->remaining -= rate * step;
+    }
+    clock_->now += step;
+    for (int lane = 0; lane < 2; ++lane) {
+      // The head(s) that set `step` are done; rounding leaves at most a few
+      // bytes' worth of residue on them.
+      const SimCopy* head = active[lane] ? lanes_[lane].front().get() : nullptr;
+      if (head != nullptr && head->remaining <= 1e-6 * static_cast<double>(head->bytes) + 1e-3) finish_head(lane);
+    }
+  }
+}
+
+}  // namespace membudget
