@@ -99,6 +99,7 @@ def install(
     high_watermark: Optional[float] = None,
     log: Optional[Union[str, Iterable[str]]] = None,
     expandable_segments: Optional[bool] = None,
+    lineage: Optional[str] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -120,6 +121,10 @@ def install(
     go back to the budget (docs/allocator.md); it is fixed when the allocator
     is created, and asking for the other setting later raises RuntimeError.
 
+    ``lineage`` picks the recorder of forward ops when recomputation is
+    allowed: ``"python"`` (a dispatch mode, the reference) or ``"cxx"`` (the
+    C++ recorder); default ``MEMBUDGET_LINEAGE``.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -135,6 +140,7 @@ def install(
         high_watermark=high_watermark,
         log=log,
         expandable_segments=expandable_segments,
+        lineage=lineage,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -191,6 +197,9 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     from .lineage import Lineage, LineageMode, hide_from_dynamo
     from .replay import rebuild_entry
 
+    if config.lineage == "cxx":
+        _push_native_recorder(native, plan)
+        return
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
@@ -216,6 +225,38 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _lineage_mode.__enter__()
     _lineage = lineage
     _wrap_autograd_entry_points()
+
+
+def _push_native_recorder(native, plan) -> None:
+    """The hooks with the C++ recorder (``MEMBUDGET_LINEAGE=cxx``,
+    :mod:`membudget.lineage_native`): no dispatch mode, so nothing to park."""
+    global _lineage
+    from .lineage import hide_from_dynamo
+    from .lineage_native import NativeLineage
+
+    lineage = NativeLineage(native, plan)
+    handle_type = native.SavedActivation
+    native_pack, native_unpack, note_unpack = native.pack, native.unpack, native.lineage.note_backward
+
+    def pack(tensor):
+        handle = native_pack(tensor)
+        if type(handle) is handle_type:
+            lineage.on_pack(handle, tensor)
+        return handle
+
+    def unpack(handle):
+        note_unpack()
+        return native_unpack(handle)
+
+    def recompute(entry_id):
+        return lineage.rebuild(entry_id)
+
+    for function in (pack, unpack, recompute):
+        hide_from_dynamo(function)
+    native.set_recompute_callback(recompute)
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    lineage.start()
+    _lineage = lineage
 
 
 def _mode_on_top(mode) -> bool:
@@ -302,6 +343,9 @@ def _restore_autograd_entry_points() -> None:
 
 def _pop_hooks() -> None:
     global _lineage, _lineage_mode, _parking_allowed
+    if _lineage is not None and _lineage_mode is None:  # the C++ recorder
+        _lineage.stop()
+        _lineage = None
     if _lineage_mode is not None:
         _restore_autograd_entry_points()
         if _parked_depth is not None:

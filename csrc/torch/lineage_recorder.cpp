@@ -1,0 +1,496 @@
+// Note [C++ lineage recorder]: python/membudget/lineage.py records forward
+// ops with a Python TorchDispatchMode, whose floor alone (an empty mode) is
+// above issue 3's 10 us per op. This recorder keeps the same lineage (the
+// data of lineage_graph.h mirrors lineage.py's objects) from a thread-local
+// at::RecordFunction callback, so recording a forward op runs no Python; the
+// pack-time closure and the replay are C++ too (lineage_replay.cpp), and
+// Python sees a tensor only when a dropped entry is rebuilt. Chosen with
+// MEMBUDGET_LINEAGE=cxx (python/membudget/lineage_native.py).
+//
+// Note [Recorded granularity]: the Python mode sits below autograd: it sees
+// the ops autograd saves for, after CompositeImplicitAutograd ops (linear,
+// dropout, matmul, layer_norm) have decomposed, and not the ops a kernel calls
+// inside itself (the mode is off its stack while its handler runs). A
+// RecordFunction callback fires at every Dispatcher::call instead (never at
+// redispatch), so the same set is taken as: an op is recorded unless it is
+// CompositeImplicitAutograd (then its children are candidates) or it runs
+// nested inside an op that was recorded, counted as a view, or skipped
+// (those ran in a kernel, below autograd). The decision per operator is made
+// once, from its registration and schema (OpInfo), and cached by the address
+// of its schema's name, which RecordFunction hands over without a copy.
+// tests/test_lineage_native.py checks the recorded op sequence against the
+// Python mode's on the test models.
+//
+// Note [Lineage ownership]: Python's recorder leans on the garbage collector
+// for the cycles that in-place ops make (x.add_(f(x)): x's lineage holds the
+// add_ node, which reads f's output, whose producer reads x's lineage).
+// Here every strong edge points back in time -- a lineage holds its producer,
+// a node holds the lineages it read -- and a lineage holds the nodes that
+// wrote into it weakly; those nodes are owned by the forward that recorded
+// them (RecorderState::writers) and released two forwards later. A lineage
+// whose writer is gone is truncated: its later versions are not replayable
+// (closure says so; the manager is told again for live entries).
+//
+// Storage lineage is keyed by StorageImpl (residency is per storage, and a
+// view shares its base's storage, so views need no bookkeeping at all). The
+// map holds a weak reference to each StorageImpl, which keeps its address
+// from being reused while mapped; the tensor's version counter, compared
+// with the lineage's last recorded version, catches writes lineage did not
+// see, as in Python.
+#include "torch/lineage_recorder.h"
+
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <chrono>
+#include <optional>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "torch/saved_activation.h"
+
+namespace py = pybind11;
+
+namespace membudget {
+namespace lineage {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Forwards whose writer nodes are kept (Note [Lineage ownership]): this one
+// and the previous, whose saved tensors backward may still hold.
+constexpr int64_t kForwardsKept = 2;
+
+// lineage.py's _NOT_RECORDED, plus ops whose autograd kernel (VariableTypeManual)
+// never redispatches, so a dispatch mode never sees them: they change no data.
+const std::unordered_set<std::string>& not_recorded() {
+  static const std::unordered_set<std::string> names{"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero",
+                                                     "aten::equal", "aten::detach_", "aten::requires_grad_",
+                                                     "aten::retain_grad", "aten::set_data"};
+  return names;
+}
+
+bool is_scratch_argument(const std::string& name) { return name == "running_mean" || name == "running_var"; }
+
+bool decomposes_above_autograd(const c10::OperatorHandle& op) {
+  using c10::DispatchKey;
+  if (!op.hasKernelForDispatchKey(DispatchKey::CompositeImplicitAutograd)) return false;
+  // A kernel of its own for a backend means the composite is not what runs
+  // for dense tensors (OperatorEntry::computeDispatchTableEntry, 2.3). An
+  // Autograd kernel does not: linear and matmul have one (VariableType) that
+  // still runs the decomposition above the dispatch modes' key.
+  for (DispatchKey key : {DispatchKey::CompositeExplicitAutograd, DispatchKey::CompositeExplicitAutogradNonFunctional,
+                          DispatchKey::CPU, DispatchKey::CUDA}) {
+    if (op.hasKernelForDispatchKey(key)) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
+  auto info = std::make_unique<OpInfo>(op);
+  const c10::FunctionSchema& schema = op.schema();
+  info->name = schema.name() + (schema.overload_name().empty() ? ".default" : "." + schema.overload_name());
+  const std::string& qualified = schema.name();
+  const std::string ns = qualified.substr(0, qualified.find("::"));
+  const bool aten = ns == "aten" || ns == "prims";
+  info->num_arguments = schema.arguments().size();
+  info->scratch.assign(info->num_arguments, false);
+  size_t unreplayable_writes = 0;
+  bool any_write = false;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::Argument& arg = schema.arguments()[i];
+    const c10::AliasInfo* alias = arg.alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    any_write = true;
+    if (is_scratch_argument(arg.name())) {
+      info->scratch[i] = true;
+    } else {
+      info->writes.push_back(i);
+      ++unreplayable_writes;
+    }
+  }
+  bool all_alias = !schema.returns().empty();
+  for (const c10::Argument& ret : schema.returns()) {
+    const c10::AliasInfo* alias = ret.alias_info();
+    bool aliases_argument = false;
+    if (alias != nullptr) {
+      for (const c10::Argument& arg : schema.arguments()) {
+        const c10::AliasInfo* arg_alias = arg.alias_info();
+        if (arg_alias == nullptr) continue;
+        for (const auto& set : alias->beforeSets()) {
+          if (arg_alias->beforeSets().count(set) != 0) aliases_argument = true;
+        }
+      }
+    }
+    all_alias = all_alias && aliases_argument;
+  }
+  info->random = op.hasTag(at::Tag::nondeterministic_seeded);
+  info->replayable = aten && unreplayable_writes <= 1;
+  info->simple = !any_write && schema.returns().size() == 1 && schema.returns()[0].alias_info() == nullptr &&
+                 schema.returns()[0].type()->kind() == c10::TypeKind::TensorType;
+  if (not_recorded().count(qualified) != 0) {
+    info->kind = OpKind::kSkip;
+  } else if (decomposes_above_autograd(op)) {
+    info->kind = OpKind::kDecomposed;
+  } else if (!any_write && all_alias && aten) {
+    info->kind = OpKind::kView;
+  } else {
+    info->kind = OpKind::kRecord;
+  }
+  return info;
+}
+
+// Per-operator decisions, keyed by the address of the schema's name string
+// (stable while the operator is registered). Touched by the recording thread
+// only; infos are never freed (nodes point at them).
+std::unordered_map<const void*, OpInfo*>& info_cache() {
+  static auto* cache = new std::unordered_map<const void*, OpInfo*>();
+  return *cache;
+}
+
+const OpInfo* lookup_info(const at::RecordFunction& fn) {
+  const char* key = fn.name();
+  auto& cache = info_cache();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  std::optional<c10::OperatorName> name = fn.operator_name();
+  if (!name) return nullptr;  // a RecordFunction that is not an operator call
+  std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(*name);
+  if (!op) return nullptr;
+  OpInfo* info = make_info(*op).release();
+  cache.emplace(key, info);
+  return info;
+}
+
+// One RecordFunction on this thread's stack.
+struct Frame {
+  bool blocks_children = false;
+  std::shared_ptr<OpNode> node;  // set while recording this op
+  const OpInfo* info = nullptr;
+  Clock::time_point start;
+  // Written storages with lineage, and the tensors written (for their version after).
+  c10::SmallVector<std::pair<std::shared_ptr<StorageLineage>, at::Tensor>, 2> writes;
+};
+
+thread_local std::optional<at::CallbackHandle> t_handle;
+thread_local std::vector<Frame> t_frames;
+thread_local int t_blocking = 0;  // frames on the stack that block their children
+thread_local bool t_paused = false;
+
+bool is_plain(const at::Tensor& t) {
+  return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                                    c10::DispatchKey::Functionalize}));
+}
+
+bool all_plain(c10::ArrayRef<const c10::IValue> inputs) {
+  for (const c10::IValue& value : inputs) {
+    if (value.isTensor()) {
+      if (!is_plain(value.toTensor())) return false;
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList().vec()) {
+        if (t.defined() && !is_plain(t)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+uintptr_t storage_address(const at::Tensor& t) {
+  if (!t.has_storage()) return 0;
+  return reinterpret_cast<uintptr_t>(t.storage().data());
+}
+
+void begin_forward(RecorderState& s) {
+  s.in_backward = false;
+  s.op_index = 0;
+  s.forward += 1;
+  s.externals.clear();
+  for (auto it = s.by_storage.begin(); it != s.by_storage.end();) {
+    it = it->second.storage.expired() ? s.by_storage.erase(it) : std::next(it);
+  }
+  std::vector<uint64_t> live = live_entry_ids();
+  std::unordered_set<uint64_t> live_set(live.begin(), live.end());
+  for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
+    it = live_set.count(it->first) == 0 ? s.by_entry.erase(it) : std::next(it);
+  }
+  bool truncated = false;
+  while (!s.writers.empty() && s.writers.front().first <= s.forward - kForwardsKept) {
+    truncated = truncated || !s.writers.front().second.empty();
+    s.writers.erase(s.writers.begin());
+  }
+  if (truncated) {
+    ++s.epoch;
+    redeclare_entries(s);
+  }
+}
+
+TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
+  TensorRef ref;
+  ref.tensor_version = tensor.has_storage() ? static_cast<int64_t>(tensor._version()) : 0;
+  ref.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
+  ref.strides.assign(tensor.strides().begin(), tensor.strides().end());
+  ref.offset = tensor.storage_offset();
+  ref.dtype = tensor.scalar_type();
+  ref.scratch = scratch;
+  if (tensor.has_storage()) {
+    auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
+    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back()) {
+      ref.lineage = it->second.lineage;
+      ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
+      return ref;
+    }
+    // Not seen, or written where lineage could not see (no_grad code such as
+    // weight init, another thread): an input held like a parameter.
+  }
+  std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
+  if (held == nullptr) {
+    held = std::make_shared<External>();
+    held->tensor = tensor;
+    held->key = storage_address(tensor);
+  }
+  ref.external = held;
+  return ref;
+}
+
+void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs, OpNode& node) {
+  node.args.resize(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const c10::IValue& value = inputs[i];
+    ArgSlot& slot = node.args[i];
+    const bool scratch = i < info.scratch.size() && info.scratch[i];
+    if (value.isTensor()) {
+      const at::Tensor& t = value.toTensor();
+      if (!t.defined()) {
+        slot.plain = value;
+        continue;
+      }
+      slot.kind = ArgSlot::kTensor;
+      slot.refs.push_back(static_cast<int32_t>(node.refs.size()));
+      node.refs.push_back(make_ref(s, t, scratch));
+    } else if (value.isTensorList()) {
+      slot.kind = ArgSlot::kTensorList;
+      for (const at::Tensor& t : value.toTensorList().vec()) {
+        slot.refs.push_back(static_cast<int32_t>(node.refs.size()));
+        node.refs.push_back(make_ref(s, t, false));
+      }
+    } else if (value.isList() && value.toListRef().size() > 0 &&
+               value.type<c10::DynamicType>()->containedType(0)->kind() == c10::TypeKind::OptionalType) {
+      // Tensor?[] (index.Tensor's indices)
+      bool tensors = false;
+      for (const c10::IValue& item : value.toListRef()) tensors = tensors || item.isTensor();
+      if (!tensors) {
+        slot.plain = value;
+        continue;
+      }
+      slot.kind = ArgSlot::kOptionalTensorList;
+      for (const c10::IValue& item : value.toListRef()) {
+        if (item.isTensor() && item.toTensor().defined()) {
+          slot.refs.push_back(static_cast<int32_t>(node.refs.size()));
+          node.refs.push_back(make_ref(s, item.toTensor(), false));
+        } else {
+          slot.refs.push_back(-1);
+        }
+      }
+    } else {
+      slot.plain = value;
+    }
+  }
+}
+
+void capture_generator(const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs, OpNode& node) {
+  std::optional<at::Generator> generator;
+  std::optional<c10::Device> device;
+  for (const c10::IValue& value : inputs) {
+    if (value.isGenerator()) generator = value.toGenerator();
+    if (!device && value.isTensor() && value.toTensor().defined()) device = value.toTensor().device();
+  }
+  (void)info;
+  if (!generator) {
+    const c10::Device where = device.value_or(c10::Device(c10::kCPU));
+    generator = at::globalContext().defaultGenerator(where.is_cuda() ? where : c10::Device(c10::kCPU));
+  }
+  std::lock_guard<std::mutex> lock(generator->mutex());
+  node.generator_state = generator->get_state();
+  node.generator = std::move(generator);
+}
+
+std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
+  Frame& frame = t_frames.emplace_back();
+  if (t_blocking > 0 || t_paused || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
+    // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
+    // or code that hides its ops from dispatch modes (torch.tensor(data)).
+    return nullptr;
+  }
+  const OpInfo* info = lookup_info(fn);
+  if (info == nullptr || info->kind == OpKind::kDecomposed) return nullptr;
+  frame.blocks_children = true;
+  ++t_blocking;
+  if (info->kind == OpKind::kSkip || !c10::GradMode::is_enabled() ||
+      torch::autograd::get_current_graph_task_id() != -1) {
+    return nullptr;  // backward, no_grad and optimizer steps are not recorded
+  }
+  c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
+  if (!all_plain(inputs)) return nullptr;  // tensor subclasses (fake, functional): not ours
+  RecorderState& s = state();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  if (s.in_backward) begin_forward(s);
+  ++s.op_index;
+  ++s.ops_recorded;
+  if (info->kind == OpKind::kView) return nullptr;  // shares its source's storage lineage
+  auto node = std::make_shared<OpNode>();
+  node->info = info;
+  node->index = s.op_index - 1;
+  node->replayable = info->replayable;
+  capture_arguments(s, *info, inputs, *node);
+  if (s.tracing) s.trace.push_back(info->name);
+  if (info->random) capture_generator(*info, inputs, *node);
+  for (size_t position : info->writes) {
+    if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
+    const TensorRef& ref = node->refs[node->args[position].refs[0]];
+    if (ref.lineage != nullptr) {
+      frame.writes.emplace_back(ref.lineage, inputs[position].toTensor());
+    } else {
+      // A write to a tensor lineage did not produce: entries whose replay
+      // reads it are made resident now, before the write lands.
+      rescue_dependents_of(s, ref.external->key);
+    }
+  }
+  frame.node = std::move(node);
+  frame.info = info;
+  frame.start = Clock::now();
+  return nullptr;
+}
+
+void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !is_plain(t)) return;
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
+  s.by_storage.insert_or_assign(
+      impl, RecorderState::Recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)});
+}
+
+void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
+  if (t_frames.empty()) return;  // started before the callback was added
+  Frame frame = std::move(t_frames.back());
+  t_frames.pop_back();
+  if (frame.blocks_children) --t_blocking;
+  if (frame.node == nullptr) return;
+  const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
+  RecorderState& s = state();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  frame.node->seconds = seconds;
+  const OpInfo& info = *frame.info;
+  if (!frame.writes.empty()) {
+    if (s.writers.empty() || s.writers.back().first != s.forward) {
+      s.writers.push_back({s.forward, {}});
+    }
+    s.writers.back().second.push_back(frame.node);
+    for (auto& [target, tensor] : frame.writes) {
+      target->mutations.push_back(frame.node);
+      // The ADInplaceOrView kernel ran inside this call: the bump is done.
+      target->versions.push_back(static_cast<int64_t>(tensor._version()));
+      target->memo.clear();
+    }
+  }
+  const c10::FunctionSchema& schema = info.op.schema();
+  const std::vector<c10::IValue>& outputs = fn.outputs();
+  int64_t index = 0;
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const bool aliased = r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr;
+    const c10::IValue& value = outputs[r];
+    if (value.isTensor()) {
+      if (!aliased) attach_output(s, frame.node, index, value.toTensor());
+      ++index;
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList().vec()) {
+        if (!aliased) attach_output(s, frame.node, index, t);
+        ++index;
+      }
+    } else {
+      ++index;
+    }
+  }
+}
+
+}  // namespace
+
+RecorderState& state() {
+  static auto* recorder = new RecorderState();  // leaked: ops may run during interpreter exit
+  return *recorder;
+}
+
+PauseRecording::PauseRecording() : previous_(t_paused) { t_paused = true; }
+PauseRecording::~PauseRecording() { t_paused = previous_; }
+
+namespace {
+
+void start_recording() {
+  if (t_handle) throw std::runtime_error("membudget: the C++ lineage recorder is already on for this thread");
+  RecorderState& s = state();
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.in_backward = true;
+    s.ops_recorded = 0;
+  }
+  t_frames.clear();
+  t_blocking = 0;
+  t_handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_op_start, on_op_end)
+                                            .needsInputs(true)
+                                            .needsOutputs(true)
+                                            .scopes({at::RecordScope::FUNCTION}));
+}
+
+void stop_recording() {
+  if (!t_handle) return;
+  at::removeCallback(*t_handle);
+  t_handle.reset();
+  t_frames.clear();
+  t_blocking = 0;
+  RecorderState& s = state();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  s.by_storage.clear();
+  s.externals.clear();
+  s.in_backward = true;
+}
+
+}  // namespace
+
+void bind_lineage(pybind11::module_& m) {
+  pybind11::module_ sub = m.def_submodule("lineage", "The C++ lineage recorder (Note [C++ lineage recorder])");
+  sub.def("start", &start_recording,
+          "Record this thread's forward ops from C++ until stop() (Note [C++ lineage recorder]).");
+  sub.def("stop", &stop_recording, "Stop recording on this thread and forget unmanaged lineage.");
+  sub.def("recording", [] { return t_handle.has_value(); }, "Whether this thread records.");
+  sub.def("set_enabled", [](bool enabled) {
+    if (!t_handle) return;
+    if (enabled) {
+      at::reenableCallback(*t_handle);
+    } else {
+      at::disableCallback(*t_handle);
+    }
+  }, "Turn this thread's callback off (backward, optimizer steps) or back on; what is recorded is unchanged.");
+  sub.def("ops_recorded", [] {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    return s.ops_recorded;
+  }, "Forward ops recorded (views included) since start().");
+  sub.def("note_backward", [] {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.in_backward = true;
+  }, "Backward has begun: the next recorded op starts a new forward.");
+  sub.def("trace", [](bool on) {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    std::vector<std::string> names = std::move(s.trace);
+    s.trace.clear();
+    s.tracing = on;
+    return names;
+  }, py::arg("on"), "Names of the ops that got a node since the last call (while tracing); tracing on or off.");
+  bind_lineage_replay(sub);
+}
+
+}  // namespace lineage
+}  // namespace membudget
