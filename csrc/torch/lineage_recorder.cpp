@@ -172,6 +172,8 @@ struct Frame {
   Clock::time_point start;
   // Written storages with lineage, and the tensors written (for their version after).
   c10::SmallVector<std::pair<std::shared_ptr<StorageLineage>, at::Tensor>, 2> writes;
+  // Outputs autograd saved before the op returned (Note [Packed before recorded]).
+  std::vector<std::pair<uint64_t, at::Tensor>> packed;
 };
 
 thread_local std::optional<at::CallbackHandle> t_handle;
@@ -338,7 +340,10 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   if (s.in_backward) begin_forward(s);
   ++s.op_index;
   ++s.ops_recorded;
-  if (info->kind == OpKind::kView) return nullptr;  // shares its source's storage lineage
+  if (info->kind == OpKind::kView) {
+    if (s.tracing) s.trace.push_back("view " + info->name);
+    return nullptr;  // shares its source's storage lineage
+  }
   auto node = std::make_shared<OpNode>();
   node->info = info;
   node->index = s.op_index - 1;
@@ -412,6 +417,28 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
       ++index;
     }
   }
+  for (const auto& [entry_id, tensor] : frame.packed) declare_packed(s, entry_id, tensor);
+}
+
+// Note [Packed before recorded]: autograd saves an op's outputs (softmax's,
+// mkldnn_rnn_layer's) inside the op's call, so the pack hook sees them before
+// the RecordFunction end callback has given them a lineage (the Python mode
+// gives it below autograd, before they are saved). Such a pack is held by the
+// op's frame and declared when the op ends.
+void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return;
+  RecorderState& s = state();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
+    for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+      if (frame->node != nullptr) {
+        frame->packed.emplace_back(entry_id, tensor);
+        return;
+      }
+    }
+    return;
+  }
+  declare_packed(s, entry_id, tensor);
 }
 
 }  // namespace
@@ -489,6 +516,14 @@ void bind_lineage(pybind11::module_& m) {
     s.tracing = on;
     return names;
   }, py::arg("on"), "Names of the ops that got a node since the last call (while tracing); tracing on or off.");
+  sub.def("on_pack", &on_pack, py::arg("entry_id"), py::arg("tensor"),
+          "A storage was packed as entry_id: declares its lineage to the manager (now, or when the op that "
+          "made it returns).");
+  sub.def("set_plan", [](py::object plan) {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.plan = plan.is_none() ? nullptr : std::make_unique<py::object>(std::move(plan));
+  }, py::arg("plan"), "plan(entry_id, op index, op name, output index), called for recomputable packs; or None.");
   bind_lineage_replay(sub);
 }
 

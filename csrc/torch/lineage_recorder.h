@@ -36,6 +36,9 @@ struct RecorderState {
   std::unordered_map<uint64_t, std::shared_ptr<StorageLineage>> by_entry;
   // Nodes that wrote into a storage, per forward (Note [Lineage ownership]).
   std::vector<std::pair<int64_t, std::vector<std::shared_ptr<OpNode>>>> writers;
+  // plan(entry_id, producer index, producer name, output index): a static
+  // plan's pack-time drop (Python; called with the GIL), or null.
+  std::unique_ptr<pybind11::object> plan;
   bool tracing = false;             // tests: keep the name of every recorded node
   std::vector<std::string> trace;
 };
@@ -45,6 +48,9 @@ RecorderState& state();
 // Closure of rebuilding `lineage` at `version` (lineage_replay.cpp).
 std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
                                        int64_t version, bool top, int depth);
+// A storage was packed as entry_id: declares to the manager whether and at
+// what cost its lineage can rebuild it (lineage.py's Lineage.on_pack).
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor);
 // Makes every managed entry whose replay reads the external storage `key`
 // resident and swap-only (replay.py's rescue_dependents_of).
 void rescue_dependents_of(RecorderState& s, uintptr_t key);

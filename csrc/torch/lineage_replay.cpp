@@ -226,26 +226,6 @@ class Replayer {
   std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
 };
 
-// (ok, seconds, deps, producer index, producer name, output index), or None.
-py::object on_pack(uint64_t entry_id, const at::Tensor& tensor) {
-  RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  if (!tensor.defined() || !tensor.has_storage()) return py::none();
-  auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
-  if (it == s.by_storage.end()) return py::none();
-  std::shared_ptr<StorageLineage> lineage = it->second.lineage;
-  if (lineage->entry_id != 0) return py::none();
-  if (static_cast<int64_t>(tensor._version()) != lineage->versions.back()) {
-    return py::none();  // written by something lineage did not see
-  }
-  std::shared_ptr<const Closure> result =
-      closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
-  lineage->entry_id = entry_id;
-  s.by_entry[entry_id] = lineage;
-  return py::make_tuple(result->ok, result->seconds, result->deps, lineage->producer->index,
-                        lineage->producer->info->name, lineage->index);
-}
-
 at::Tensor rebuild_entry(uint64_t entry_id) {
   RecorderState& s = state();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
@@ -286,6 +266,27 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
   return result;
 }
 
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor) {
+  auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
+  if (it == s.by_storage.end()) return;
+  std::shared_ptr<StorageLineage> lineage = it->second.lineage;
+  if (lineage->entry_id != 0) return;
+  if (static_cast<int64_t>(tensor._version()) != lineage->versions.back()) {
+    return;  // written by something lineage did not see
+  }
+  std::shared_ptr<const Closure> result =
+      closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
+  lineage->entry_id = entry_id;
+  s.by_entry[entry_id] = lineage;
+  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);
+  if (result->ok && s.plan != nullptr) {
+    std::string name = lineage->producer->info->name;
+    name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
+    py::gil_scoped_acquire gil;
+    (*s.plan)(entry_id, lineage->producer->index, name, lineage->index);
+  }
+}
+
 void rescue_dependents_of(RecorderState& s, uintptr_t key) {
   std::vector<uint64_t> rescued;
   for (const auto& [entry_id, lineage] : s.by_entry) {
@@ -314,9 +315,17 @@ void redeclare_entries(RecorderState& s) {
 
 void bind_lineage_replay(py::module_& m) {
   py::register_exception<ReplayError>(m, "ReplayError", PyExc_RuntimeError);
-  m.def("on_pack", &on_pack, py::arg("entry_id"), py::arg("tensor"),
-        "A storage was packed as entry_id: its closure (ok, seconds, deps, producer index, producer name, "
-        "output index), or None when lineage cannot rebuild it.");
+  m.def("describe", [](const at::Tensor& tensor) -> py::object {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (!tensor.has_storage()) return py::none();
+    auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
+    if (it == s.by_storage.end()) return py::none();
+    const StorageLineage& lineage = *it->second.lineage;
+    return py::make_tuple(lineage.producer->info->name, lineage.producer->index, lineage.index, lineage.versions,
+                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size());
+  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations) of a tensor's "
+     "storage lineage, or None (tests and debugging).");
   m.def("rebuild", &rebuild_entry, py::arg("entry_id"),
         "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot).");
 }

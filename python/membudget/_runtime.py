@@ -236,12 +236,13 @@ def _push_native_recorder(native, plan) -> None:
 
     lineage = NativeLineage(native, plan)
     handle_type = native.SavedActivation
-    native_pack, native_unpack, note_unpack = native.pack, native.unpack, native.lineage.note_backward
+    native_pack, native_unpack = native.pack, native.unpack
+    on_pack, note_unpack = native.lineage.on_pack, native.lineage.note_backward
 
     def pack(tensor):
         handle = native_pack(tensor)
         if type(handle) is handle_type:
-            lineage.on_pack(handle, tensor)
+            on_pack(handle.entry_id, tensor)
         return handle
 
     def unpack(handle):

@@ -30,11 +30,22 @@ class NativeLineage:
 
     def start(self) -> None:
         """Starts recording on the calling thread."""
+        if self.plan is not None:
+            plan, native = self.plan, self.native
+
+            def drop_if_planned(entry_id: int, op_index: int, op_name: str, output_index: int) -> None:
+                if plan.drops(op_index, op_name, output_index):
+                    native.plan_drop(entry_id)
+
+            self.recorder.set_plan(drop_if_planned)
+        else:
+            self.recorder.set_plan(None)
         self.recorder.start()
 
     def stop(self) -> None:
         """Stops recording on the calling thread."""
         self.recorder.stop()
+        self.recorder.set_plan(None)
 
     @property
     def ops_recorded(self) -> int:
@@ -47,16 +58,9 @@ class NativeLineage:
 
     def on_pack(self, handle, tensor: torch.Tensor) -> None:
         """Declares to the manager how a newly managed storage can be rebuilt
-        (:meth:`membudget.lineage.Lineage.on_pack`)."""
-        entry_id = handle.entry_id
-        closure = self.recorder.on_pack(entry_id, tensor)
-        if closure is None:
-            return
-        ok, seconds, deps, producer_index, producer_name, output_index = closure
-        self.native.set_recompute_info(entry_id, ok, seconds, deps)
-        if ok and self.plan is not None and self.plan.drops(producer_index, _python_name(producer_name),
-                                                            output_index):
-            self.native.plan_drop(entry_id)
+        (:meth:`membudget.lineage.Lineage.on_pack`; in C++, possibly when the
+        op that made it returns: Note [Packed before recorded])."""
+        self.recorder.on_pack(handle.entry_id, tensor)
 
     def rebuild(self, entry_id: int) -> torch.Tensor:
         """The recompute callback: replays a dropped entry's storage
@@ -67,9 +71,3 @@ class NativeLineage:
                 return self.recorder.rebuild(entry_id)
         except self.recorder.ReplayError as error:
             raise RecomputeError(str(error)) from None
-
-
-def _python_name(name: str) -> str:
-    """``aten::addmm.default`` -> ``aten.addmm.default``, as ``str(OpOverload)``
-    names it (plans match op names recorded by the Python tracer)."""
-    return name.replace("::", ".", 1)
