@@ -13,7 +13,7 @@ import membudget
 from membudget._native import load_extension
 from membudget.replay import RecomputeError
 
-pytestmark = pytest.mark.requires_native
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
 
 def _grads(build, run, seed=0, evict=False, **install):

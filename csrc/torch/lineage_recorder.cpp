@@ -180,6 +180,10 @@ thread_local std::optional<at::CallbackHandle> t_handle;
 thread_local std::vector<Frame> t_frames;
 thread_local int t_blocking = 0;  // frames on the stack that block their children
 thread_local bool t_paused = false;
+// Whether this is the thread that called start(): at::ThreadLocalState
+// carries the callback to threads that run work for it (the autograd
+// engine's device threads, intra-op pools), which record nothing.
+thread_local bool t_recording = false;
 
 bool is_plain(const at::Tensor& t) {
   return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
@@ -320,7 +324,8 @@ void capture_generator(const OpInfo& info, c10::ArrayRef<const c10::IValue> inpu
 
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   Frame& frame = t_frames.emplace_back();
-  if (t_blocking > 0 || t_paused || c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
+  if (t_blocking > 0 || t_paused || !t_recording ||
+      c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
     // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
     // or code that hides its ops from dispatch modes (torch.tensor(data)).
     return nullptr;
@@ -463,6 +468,7 @@ void start_recording() {
   }
   t_frames.clear();
   t_blocking = 0;
+  t_recording = true;
   t_handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_op_start, on_op_end)
                                             .needsInputs(true)
                                             .needsOutputs(true)
@@ -475,6 +481,7 @@ void stop_recording() {
   t_handle.reset();
   t_frames.clear();
   t_blocking = 0;
+  t_recording = false;
   RecorderState& s = state();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   s.by_storage.clear();

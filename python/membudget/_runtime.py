@@ -229,7 +229,12 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
 
 def _push_native_recorder(native, plan) -> None:
     """The hooks with the C++ recorder (``MEMBUDGET_LINEAGE=cxx``,
-    :mod:`membudget.lineage_native`): no dispatch mode, so nothing to park."""
+    :mod:`membudget.lineage_native`). Its callback is switched off for
+    ``backward()`` and ``autograd.grad()`` as the mode is popped (their ops
+    are not recorded either way; off, they skip the callback's argument
+    boxing). Optimizer steps are not parked: they run under ``no_grad``,
+    which the callback checks first, and a step that raised would otherwise
+    leave the next forward unrecorded."""
     global _lineage
     from .lineage import hide_from_dynamo
     from .lineage_native import NativeLineage
@@ -258,6 +263,7 @@ def _push_native_recorder(native, plan) -> None:
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     lineage.start()
     _lineage = lineage
+    _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
 
 
 def _mode_on_top(mode) -> bool:
@@ -273,6 +279,8 @@ def _without_lineage_mode(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         mode = _lineage_mode
+        if mode is None and _lineage is not None and threading.get_ident() == _hooks_thread:
+            return _lineage.without_recording(function, args, kwargs)  # the C++ recorder
         if mode is None or threading.get_ident() != _hooks_thread or not _mode_on_top(mode):
             return function(*args, **kwargs)
         with _pop_mode_temporarily():
@@ -345,6 +353,7 @@ def _restore_autograd_entry_points() -> None:
 def _pop_hooks() -> None:
     global _lineage, _lineage_mode, _parking_allowed
     if _lineage is not None and _lineage_mode is None:  # the C++ recorder
+        _restore_autograd_entry_points()
         _lineage.stop()
         _lineage = None
     if _lineage_mode is not None:

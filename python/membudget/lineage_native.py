@@ -27,6 +27,7 @@ class NativeLineage:
         self.native = native
         self.recorder = native.lineage
         self.plan = plan
+        self._suspended = 0  # nesting of without_recording (autograd.grad inside backward hooks)
 
     def start(self) -> None:
         """Starts recording on the calling thread."""
@@ -46,6 +47,20 @@ class NativeLineage:
         """Stops recording on the calling thread."""
         self.recorder.stop()
         self.recorder.set_plan(None)
+
+    def without_recording(self, function, args, kwargs):
+        """``function(*args, **kwargs)`` with this thread's callback off
+        (``backward()``, ``autograd.grad()``; Note [Backward without the
+        lineage mode] in ``_runtime.py``)."""
+        self._suspended += 1
+        if self._suspended == 1:
+            self.recorder.set_enabled(False)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self._suspended -= 1
+            if self._suspended == 0:
+                self.recorder.set_enabled(True)
 
     @property
     def ops_recorded(self) -> int:
