@@ -85,7 +85,9 @@ def _mixed_forward():
                                       lambda: _workload_forward(bert), lambda: _workload_forward(lstm)],
                          ids=["mixed", "gpt2", "bert", "lstm"])
 def test_cxx_recorder_records_the_ops_the_python_mode_sees(make_run):
-    membudget.install(budget=ROOMY_BUDGET, actions="swap")  # our allocator, no recorder of its own
+    # Not installed: after an LSTM forward without backward run while
+    # installed, a later test's unmanaged peak was seen to rise (52 -> 92 MB),
+    # which made its half-peak budget unattainable.
     run = make_run()
     python = [_SAME_OP.get(name, name) for name in _python_names(run)]
     native = [_SAME_OP.get(name, name) for name in _native_names(run)]

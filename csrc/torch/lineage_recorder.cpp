@@ -458,12 +458,28 @@ PauseRecording::~PauseRecording() { t_paused = previous_; }
 
 namespace {
 
+// Forgets what no live entry needs: after stop() only replays of entries
+// packed before it can still be asked for (saved activations outlive
+// uninstall()), and a stopped recorder must not keep the inputs it held
+// (parameters of a model long gone) alive.
+void forget_unneeded(RecorderState& s) {
+  s.by_storage.clear();
+  s.externals.clear();
+  std::vector<uint64_t> live = live_entry_ids();
+  std::unordered_set<uint64_t> live_set(live.begin(), live.end());
+  for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
+    it = live_set.count(it->first) == 0 ? s.by_entry.erase(it) : std::next(it);
+  }
+  if (s.by_entry.empty()) s.writers.clear();
+  s.in_backward = true;
+}
+
 void start_recording() {
   if (t_handle) throw std::runtime_error("membudget: the C++ lineage recorder is already on for this thread");
   RecorderState& s = state();
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    s.in_backward = true;
+    forget_unneeded(s);
     s.ops_recorded = 0;
   }
   t_frames.clear();
@@ -484,9 +500,7 @@ void stop_recording() {
   t_recording = false;
   RecorderState& s = state();
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  s.by_storage.clear();
-  s.externals.clear();
-  s.in_backward = true;
+  forget_unneeded(s);
 }
 
 }  // namespace
