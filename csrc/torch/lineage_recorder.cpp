@@ -281,9 +281,9 @@ void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const
         slot.refs.push_back(static_cast<int32_t>(node.refs.size()));
         node.refs.push_back(make_ref(s, t, false));
       }
-    } else if (value.isList() && value.toListRef().size() > 0 &&
-               value.type<c10::DynamicType>()->containedType(0)->kind() == c10::TypeKind::OptionalType) {
-      // Tensor?[] (index.Tensor's indices)
+    } else if (value.isList()) {
+      // Tensor?[] (index.Tensor's indices): a generic list holding tensors
+      // (plain Tensor[] is a TensorList, above); other lists are values.
       bool tensors = false;
       for (const c10::IValue& item : value.toListRef()) tensors = tensors || item.isTensor();
       if (!tensors) {
