@@ -213,6 +213,7 @@ def test_torch_compile_runs_beside_the_lineage_mode():
         return loss
 
     build = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: this test runs once per recorder
     plain = _grads(build, run)
     managed = _grads(build, run, actions="both")
     assert torch.equal(plain[0], managed[0])
