@@ -2,6 +2,7 @@
 // from a thread-local at::RecordFunction callback instead of a Python
 // TorchDispatchMode. See Note [C++ lineage recorder] in lineage_recorder.cpp.
 #pragma once
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -44,6 +45,11 @@ struct RecorderState {
 };
 
 RecorderState& state();
+
+// The recorder's decision for the operator a RecordFunction is about
+// (lineage_ops.cpp), or null when it is not an operator call. Recording
+// thread only.
+const OpInfo* lookup_info(const at::RecordFunction& fn);
 
 // Closure of rebuilding `lineage` at `version` (lineage_replay.cpp).
 std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
