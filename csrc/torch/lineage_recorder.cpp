@@ -222,7 +222,10 @@ void capture_generator(const OpInfo& info, c10::ArrayRef<const c10::IValue> inpu
 }
 
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
-  Frame& frame = t_frames.emplace_back();
+  // By index, not reference: what runs below (a rescue's replay, the
+  // generator's state tensor) may call ops, whose frames can move this one.
+  const size_t slot = t_frames.size();
+  t_frames.emplace_back();
   if (t_blocking > 0 || t_paused || !t_recording ||
       c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
     // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
@@ -231,7 +234,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   }
   const OpInfo* info = lookup_info(fn);
   if (info == nullptr || info->kind == OpKind::kDecomposed) return nullptr;
-  frame.blocks_children = true;
+  t_frames[slot].blocks_children = true;
   ++t_blocking;
   if (info->kind == OpKind::kSkip || !c10::GradMode::is_enabled() ||
       torch::autograd::get_current_graph_task_id() != -1) {
@@ -259,13 +262,14 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
     if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
     const TensorRef& ref = node->refs[node->args[position].refs[0]];
     if (ref.lineage != nullptr) {
-      frame.writes.emplace_back(ref.lineage, inputs[position].toTensor());
+      t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
     } else {
       // A write to a tensor lineage did not produce: entries whose replay
       // reads it are made resident now, before the write lands.
       rescue_dependents_of(s, ref.external->key);
     }
   }
+  Frame& frame = t_frames[slot];
   frame.node = std::move(node);
   frame.info = info;
   frame.start = Clock::now();
