@@ -3,6 +3,10 @@ to a clean, uninstalled state after every test.
 
 Markers: ``requires_cuda`` skips without a CUDA device; ``requires_native``
 skips when the extension is not built (it always is under ``make test``).
+
+Fixtures: ``lineage_recorder`` runs a test once per lineage recorder
+(``MEMBUDGET_LINEAGE=python`` and ``cxx``); ``python_lineage`` pins the
+Python recorder for tests about its dispatch mode.
 """
 import gc
 
@@ -29,6 +33,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
         if "requires_native" in item.keywords and not has_native:
             item.add_marker(no_native)
+
+
+@pytest.fixture(params=["python", "cxx"])
+def lineage_recorder(request, monkeypatch):
+    """Runs the test under each lineage recorder (``install()`` reads
+    ``MEMBUDGET_LINEAGE`` when not told otherwise); yields its name."""
+    monkeypatch.setenv("MEMBUDGET_LINEAGE", request.param)
+    yield request.param
+
+
+@pytest.fixture
+def python_lineage(monkeypatch):
+    """Pins the Python recorder (tests of its dispatch mode)."""
+    monkeypatch.setenv("MEMBUDGET_LINEAGE", "python")
 
 
 @pytest.fixture(autouse=True)

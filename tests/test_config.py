@@ -213,6 +213,14 @@ def test_every_action_is_accepted(actions):
     assert config.records_lineage == (actions.lower() != "swap")
 
 
+def test_lineage_recorder_is_python_unless_told():
+    assert Config.from_env({}).lineage == "python"
+    assert Config.from_env({"MEMBUDGET_LINEAGE": " CXX "}).lineage == "cxx"
+    assert Config.from_env({"MEMBUDGET_LINEAGE": "cxx"}, lineage="python").lineage == "python"
+    with pytest.raises(ConfigError, match="MEMBUDGET_LINEAGE='rust' is not a lineage recorder: use python or cxx"):
+        Config.from_env({"MEMBUDGET_LINEAGE": "rust"})
+
+
 def test_overrides_win_over_env():
     environ = {"MEMBUDGET_BUDGET": "1GiB", "MEMBUDGET_POLICY": "lru", "MEMBUDGET_LOG": "summary"}
     config = Config.from_env(environ, budget="2GiB", policy="largest", log=["prefetch"], high_watermark=0.9)
@@ -291,7 +299,8 @@ def test_env_table_mentions_every_variable():
     assert lines[0] == "| Variable | Default | Accepted values | Meaning |"
     names = {"MEMBUDGET_BUDGET", "MEMBUDGET_HOST_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_ACTIONS",
              "MEMBUDGET_MIN_TENSOR_BYTES", "MEMBUDGET_PREFETCH_BYTES", "MEMBUDGET_HIGH_WATERMARK",
-             "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS", "MEMBUDGET_RECOMPUTE_AHEAD"}
+             "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS", "MEMBUDGET_RECOMPUTE_AHEAD",
+             "MEMBUDGET_LINEAGE"}
     assert {variable.name for variable in VARIABLES} == names
     for name in names:
         assert f"`{name}`" in table

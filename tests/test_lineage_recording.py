@@ -12,7 +12,7 @@ from membudget import _runtime, lineage
 from membudget._native import load_extension
 from membudget.lineage import ExternalLineage, Lineage, LineageMode, StorageLineage, TensorRef
 
-pytestmark = pytest.mark.requires_native
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("python_lineage")]
 
 ROOMY_BUDGET = "4GiB"  # lineage is recorded only under a budget; this one evicts nothing
 

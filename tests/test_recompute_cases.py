@@ -13,7 +13,7 @@ import membudget
 from membudget._native import load_extension
 from membudget.replay import RecomputeError
 
-pytestmark = pytest.mark.requires_native
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
 
 def _grads(build, run, seed=0, evict=False, **install):
@@ -213,6 +213,7 @@ def test_torch_compile_runs_beside_the_lineage_mode():
         return loss
 
     build = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    torch._dynamo.utils.counters.clear()  # reset() keeps them: this test runs once per recorder
     plain = _grads(build, run)
     managed = _grads(build, run, actions="both")
     assert torch.equal(plain[0], managed[0])

@@ -8,7 +8,7 @@ import pytest
 from models import bert, gpt2, lstm
 from training import assert_identical, run_managed, run_plain
 
-pytestmark = pytest.mark.requires_native
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
 STEPS = 3
 MIN_TENSOR_BYTES = 16 * 1024

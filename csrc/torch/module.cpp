@@ -1,6 +1,7 @@
 // The extension module membudget._C: build information plus each binding
 // file's registration function (see bindings.h).
 #include "torch/bindings.h"
+#include "torch/lineage_recorder.h"
 #include "torch/op_observer.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,4 +25,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   membudget::bind_sim(m);
   membudget::bind_timeline(m);
   membudget::bind_op_observer(m);
+  membudget::lineage::bind_lineage(m);
 }

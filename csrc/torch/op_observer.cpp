@@ -10,13 +10,10 @@
 // measure the floor of such a recorder side by side with the Python mode.
 // It is not a recorder: no lineage is kept, nothing is replayed.
 //
-// What a recorder on this callback would differ in (why it is not built yet):
-// RecordFunction sees ops above autograd, so CompositeImplicitAutograd ops
-// (linear, dropout) arrive undecomposed: a replay of `dropout` is exact, but
-// intermediates of the decomposition that autograd saves (dropout's mask) get
-// no lineage and would be swap-only; and the lineage graph would live in C++
-// with the pack-time closure (membudget/replay.py) ported to it, Python
-// objects made only for replays.
+// The recorder built on this callback is lineage_recorder.cpp (Note [C++
+// lineage recorder]); unlike this probe's depth-0 rule it looks through
+// CompositeImplicitAutograd ops (Note [Recorded granularity]), so that it
+// records what the Python mode records.
 #include "torch/op_observer.h"
 
 #include <ATen/record_function.h>

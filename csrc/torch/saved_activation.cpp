@@ -318,12 +318,34 @@ py::object unpack_saved_tensor(const py::object& packed) {
   return packed;
 }
 
-py::object entry_storage_tensor(uint64_t entry_id) {
+at::Tensor entry_storage(uint64_t entry_id) {
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
-  if (residency == nullptr) return py::none();
+  if (residency == nullptr) return at::Tensor();
   c10::Storage storage = materialize_storage(residency);
   const auto nbytes = static_cast<int64_t>(storage.nbytes());
-  return py::cast(tensor_on_storage(std::move(storage), 0, {nbytes}, {1}, at::kByte));
+  return tensor_on_storage(std::move(storage), 0, {nbytes}, {1}, at::kByte);
+}
+
+py::object entry_storage_tensor(uint64_t entry_id) {
+  at::Tensor tensor = entry_storage(entry_id);
+  return tensor.defined() ? py::cast(std::move(tensor)) : py::none();
+}
+
+std::vector<uint64_t> live_entry_ids() {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  std::vector<uint64_t> ids;
+  for (const auto& item : g_by_id) {
+    if (!item.second.expired()) ids.push_back(item.first);
+  }
+  return ids;
+}
+
+void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
+                              const std::vector<uint64_t>& input_ids) {
+  Runtime* runtime = Runtime::get();
+  std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
+  if (runtime == nullptr || residency == nullptr) return;
+  runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids);
 }
 
 size_t live_storage_residencies() {
@@ -344,14 +366,7 @@ void bind_saved_activation(py::module_& m) {
   m.def("live_handles", &live_storage_residencies, "number of live managed storages");
   m.def("entry_storage", &entry_storage_tensor, py::arg("entry_id"),
         "The whole storage of a live entry, resident, as a 1-D uint8 tensor (None if not live)");
-  m.def("live_entry_ids", []() {
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    std::vector<uint64_t> ids;
-    for (const auto& item : g_by_id) {
-      if (!item.second.expired()) ids.push_back(item.first);
-    }
-    return ids;
-  }, "ids of the live managed entries");
+  m.def("live_entry_ids", &live_entry_ids, "ids of the live managed entries");
   m.def("set_recompute_callback", [](py::object fn) {
     if (g_recompute_fn == nullptr) g_recompute_fn = new py::object();
     *g_recompute_fn = std::move(fn);
@@ -368,13 +383,8 @@ void bind_saved_activation(py::module_& m) {
                                   timing + "'");
     }
   }, py::arg("timing"), "When queued replays ahead run on the CPU (Note [Recompute ahead timing]); for benchmarks");
-  m.def("set_recompute_info", [](uint64_t entry_id, bool recomputable, double replay_seconds,
-                                 const std::vector<uint64_t>& input_ids) {
-    Runtime* runtime = Runtime::get();
-    std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
-    if (runtime == nullptr || residency == nullptr) return;
-    runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids);
-  }, py::arg("entry_id"), py::arg("recomputable"), py::arg("replay_seconds"), py::arg("input_ids"),
+  m.def("set_recompute_info", &set_entry_recompute_info, py::arg("entry_id"), py::arg("recomputable"),
+        py::arg("replay_seconds"), py::arg("input_ids"),
         "Declare whether and at what cost an entry's storage can be replayed, and which entries it reads");
   m.def("plan_drop", [](uint64_t entry_id) {
     Runtime* runtime = Runtime::get();

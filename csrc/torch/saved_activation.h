@@ -66,6 +66,15 @@ pybind11::object unpack_saved_tensor(const pybind11::object& packed);
 // and viewed as 1-D uint8; None when no live entry has that id. The lineage
 // reads a replay's managed inputs through this.
 pybind11::object entry_storage_tensor(uint64_t entry_id);
+// The same as a tensor (undefined when no live entry has that id), for the
+// C++ lineage recorder's replays. Called with the GIL held.
+at::Tensor entry_storage(uint64_t entry_id);
+// Ids of the live managed entries.
+std::vector<uint64_t> live_entry_ids();
+// Declares whether and at what cost an entry can be replayed, and which
+// entries its replay reads (ResidencyManager::set_recompute_info by id).
+void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
+                              const std::vector<uint64_t>& input_ids);
 // Live SavedActivation storages (for leak checks in tests).
 size_t live_storage_residencies();
 void bind_saved_activation(pybind11::module_& m);

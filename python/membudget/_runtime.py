@@ -100,6 +100,7 @@ def install(
     log: Optional[Union[str, Iterable[str]]] = None,
     expandable_segments: Optional[bool] = None,
     recompute_ahead: Optional[Union[str, bool]] = None,
+    lineage: Optional[str] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -125,6 +126,9 @@ def install(
     prefetcher replay dropped activations ahead of their use within its window
     (docs/recompute.md, "Recompute ahead"); ``"auto"`` turns it on where the
     benchmarks showed it pays (:func:`membudget.config.resolve_recompute_ahead`).
+    ``lineage`` picks the recorder of forward ops when recomputation is
+    allowed: ``"python"`` (a dispatch mode, the reference) or ``"cxx"`` (the
+    C++ recorder); default ``MEMBUDGET_LINEAGE``.
 
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
@@ -142,6 +146,7 @@ def install(
         log=log,
         expandable_segments=expandable_segments,
         recompute_ahead=recompute_ahead,
+        lineage=lineage,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -199,6 +204,9 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     from .lineage import Lineage, LineageMode, hide_from_dynamo
     from .replay import rebuild_entry, rebuild_entry_on_stream
 
+    if config.lineage == "cxx":
+        _push_native_recorder(native, plan)
+        return
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
@@ -232,6 +240,47 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _wrap_autograd_entry_points()
 
 
+def _push_native_recorder(native, plan) -> None:
+    """The hooks with the C++ recorder (``MEMBUDGET_LINEAGE=cxx``,
+    :mod:`membudget.lineage_native`). Its callback is switched off for
+    ``backward()`` and ``autograd.grad()`` as the mode is popped (their ops
+    are not recorded either way; off, they skip the callback's argument
+    boxing). Optimizer steps are not parked: they run under ``no_grad``,
+    which the callback checks first, and a step that raised would otherwise
+    leave the next forward unrecorded."""
+    global _lineage
+    from .lineage import hide_from_dynamo
+    from .lineage_native import NativeLineage
+
+    lineage = NativeLineage(native, plan)
+    handle_type = native.SavedActivation
+    native_pack, native_unpack = native.pack, native.unpack
+    on_pack, note_unpack = native.lineage.on_pack, native.lineage.note_backward
+
+    def pack(tensor):
+        handle = native_pack(tensor)
+        if type(handle) is handle_type:
+            on_pack(handle.entry_id, tensor)
+        return handle
+
+    def unpack(handle):
+        note_unpack()
+        return native_unpack(handle)
+
+    def recompute(entry_id, ahead=False):
+        # A replay ahead (Note [Recompute ahead]) runs here on the current
+        # stream: this recorder has no side-stream replay yet.
+        return lineage.rebuild(entry_id)
+
+    for function in (pack, unpack, recompute):
+        hide_from_dynamo(function)
+    native.set_recompute_callback(recompute)
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    lineage.start()
+    _lineage = lineage
+    _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
+
+
 def _mode_on_top(mode) -> bool:
     depth = torch._C._len_torch_dispatch_stack()
     return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
@@ -245,6 +294,8 @@ def _without_lineage_mode(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         mode = _lineage_mode
+        if mode is None and _lineage is not None and threading.get_ident() == _hooks_thread:
+            return _lineage.without_recording(function, args, kwargs)  # the C++ recorder
         if mode is None or threading.get_ident() != _hooks_thread or not _mode_on_top(mode):
             return function(*args, **kwargs)
         with _pop_mode_temporarily():
@@ -316,6 +367,10 @@ def _restore_autograd_entry_points() -> None:
 
 def _pop_hooks() -> None:
     global _lineage, _lineage_mode, _parking_allowed
+    if _lineage is not None and _lineage_mode is None:  # the C++ recorder
+        _restore_autograd_entry_points()
+        _lineage.stop()
+        _lineage = None
     if _lineage_mode is not None:
         _restore_autograd_entry_points()
         if _parked_depth is not None:

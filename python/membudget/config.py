@@ -37,6 +37,12 @@ Variables
     (default; the director picks per victim the smaller expected stall).
     With ``recompute`` or ``both``, forward ops are recorded (lineage) on the
     thread that called ``install()``; ``swap`` records nothing.
+``MEMBUDGET_LINEAGE``
+    Which recorder keeps those forward ops: ``python`` (default; a
+    ``TorchDispatchMode``, the reference) or ``cxx`` (a thread-local
+    ``at::RecordFunction`` callback recording in C++, with the pack-time
+    closure and the replay in C++ too; the same lineage at a fraction of the
+    per-op cost, docs/recompute.md).
 ``MEMBUDGET_MIN_TENSOR_BYTES``
     Saved tensors smaller than this are left alone. Size syntax without a
     percentage; default 1 MiB; ``0`` manages every saved tensor.
@@ -113,6 +119,7 @@ GiB = 1 << 30
 POLICIES: Tuple[str, ...] = ("delta", "dtr", "msps", "lru", "largest")
 ACTIONS: Tuple[str, ...] = ("swap", "recompute", "both")
 LOG_CHANNELS: Tuple[str, ...] = ("decisions", "evictions", "prefetch", "summary")
+RECORDERS: Tuple[str, ...] = ("python", "cxx")
 BUILD_VARIABLES: Tuple[str, ...] = (
     "MEMBUDGET_BUILD_DIR",
     "MEMBUDGET_BUILD_JOBS",
@@ -121,6 +128,7 @@ BUILD_VARIABLES: Tuple[str, ...] = (
 
 DEFAULT_POLICY = "delta"
 DEFAULT_ACTIONS = "both"
+DEFAULT_LINEAGE = "python"
 DEFAULT_MIN_TENSOR_BYTES = 1 * MiB
 DEFAULT_PREFETCH_BYTES = 256 * MiB
 DEFAULT_HIGH_WATERMARK = 0.8
@@ -298,6 +306,13 @@ def _parse_actions(value: str, label: str) -> str:
     raise ConfigError(f"{label}={value!r} is not an action: use swap, recompute or both")
 
 
+def _parse_lineage(value: str, label: str) -> str:
+    recorder = str(value).strip().lower()
+    if recorder in RECORDERS:
+        return recorder
+    raise ConfigError(f"{label}={value!r} is not a lineage recorder: use python or cxx")
+
+
 def _parse_high_watermark(value: Union[str, float], label: str) -> float:
     message = f"{label}={value!r} is not a fraction: use a number above 0 and at most 1 (e.g. 0.8)"
     if isinstance(value, bool):
@@ -400,6 +415,13 @@ VARIABLES: Tuple[Variable, ...] = (
         _parse_actions,
     ),
     Variable(
+        "MEMBUDGET_LINEAGE", "lineage", DEFAULT_LINEAGE,
+        "`python`, `cxx`",
+        "Which recorder keeps forward ops for recomputation: the Python dispatch mode (the reference) or "
+        "the C++ RecordFunction recorder (cheaper per op; docs/recompute.md).",
+        _parse_lineage,
+    ),
+    Variable(
         "MEMBUDGET_MIN_TENSOR_BYTES", "min_tensor_bytes", "1MiB",
         "size in bytes or units (no %); `0` manages every saved tensor",
         "Saved tensors smaller than this are left alone.",
@@ -483,6 +505,7 @@ class Config:
         default_factory=lambda: int(physical_memory_bytes() * DEFAULT_HOST_BUDGET_FRACTION))
     policy: str = DEFAULT_POLICY
     actions: str = DEFAULT_ACTIONS
+    lineage: str = DEFAULT_LINEAGE
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES
     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES
     high_watermark: float = DEFAULT_HIGH_WATERMARK
@@ -495,7 +518,7 @@ class Config:
         """Build a :class:`Config` from ``environ`` (default ``os.environ``), where
         each keyword override that is not ``None`` wins over its variable.
         Override keywords are the field names (``budget``, ``host_budget_bytes``
-        or ``host_budget``, ``policy``, ``actions``, ``min_tensor_bytes``,
+        or ``host_budget``, ``policy``, ``actions``, ``lineage``, ``min_tensor_bytes``,
         ``prefetch_bytes``, ``high_watermark``, ``log``,
         ``expandable_segments``, ``recompute_ahead``) and take the same
         strings as the variables, or ints / floats / channel iterables. Unknown
@@ -561,6 +584,7 @@ def describe(config: Config) -> str:
         ("host budget", format_bytes(config.host_budget_bytes), "MEMBUDGET_HOST_BUDGET"),
         ("policy", config.policy, "MEMBUDGET_POLICY"),
         ("actions", actions, "MEMBUDGET_ACTIONS"),
+        ("lineage recorder", config.lineage, "MEMBUDGET_LINEAGE"),
         ("min tensor bytes", format_bytes(config.min_tensor_bytes), "MEMBUDGET_MIN_TENSOR_BYTES"),
         ("prefetch bytes",
          format_bytes(config.prefetch_bytes) if config.prefetch_bytes else "0 (prefetch disabled)",

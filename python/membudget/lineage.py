@@ -41,9 +41,10 @@ outside aten/prims) is the reference it is tested against
 (tests/test_lineage_recording.py). Views build no node at all: their outputs
 share their sources' lineages, and a view's node would never be replayed.
 The Python ``TorchDispatchMode`` itself costs more per op than the 10 us
-target (``bench/bench_lineage.py``); a C++ recorder would replace
-:func:`_lineage_dispatch` and keep these data structures (Note [Op observer
-probe] in csrc/torch/op_observer.cpp measures the floor of one).
+target (``bench/bench_lineage.py``); the C++ recorder
+(``MEMBUDGET_LINEAGE=cxx``, :mod:`membudget.lineage_native`, Note [C++
+lineage recorder] in csrc/torch/lineage_recorder.cpp) keeps the same data in
+C++ and is tested against this one.
 """
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+// Which ops the C++ recorder records, decided once per operator from its
+// registration and schema (Note [Recorded granularity] in lineage_recorder.cpp).
+#include <ATen/record_function.h>
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "torch/lineage_recorder.h"
+
+namespace membudget {
+namespace lineage {
+namespace {
+
+// lineage.py's _NOT_RECORDED, plus ops whose autograd kernel (VariableTypeManual)
+// never redispatches, so a dispatch mode never sees them: they change no data.
+const std::unordered_set<std::string>& not_recorded() {
+  static const std::unordered_set<std::string> names{"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero",
+                                                     "aten::equal", "aten::detach_", "aten::requires_grad_",
+                                                     "aten::retain_grad", "aten::set_data"};
+  return names;
+}
+
+bool is_scratch_argument(const std::string& name) { return name == "running_mean" || name == "running_var"; }
+
+bool decomposes_above_autograd(const c10::OperatorHandle& op) {
+  using c10::DispatchKey;
+  if (!op.hasKernelForDispatchKey(DispatchKey::CompositeImplicitAutograd)) return false;
+  // A kernel of its own for a backend means the composite is not what runs
+  // for dense tensors (OperatorEntry::computeDispatchTableEntry, 2.3). An
+  // Autograd kernel does not: linear and matmul have one (VariableType) that
+  // still runs the decomposition above the dispatch modes' key.
+  for (DispatchKey key : {DispatchKey::CompositeExplicitAutograd, DispatchKey::CompositeExplicitAutogradNonFunctional,
+                          DispatchKey::CPU, DispatchKey::CUDA}) {
+    if (op.hasKernelForDispatchKey(key)) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
+  auto info = std::make_unique<OpInfo>(op);
+  const c10::FunctionSchema& schema = op.schema();
+  info->name = schema.name() + (schema.overload_name().empty() ? ".default" : "." + schema.overload_name());
+  const std::string& qualified = schema.name();
+  const std::string ns = qualified.substr(0, qualified.find("::"));
+  const bool aten = ns == "aten" || ns == "prims";
+  info->num_arguments = schema.arguments().size();
+  info->scratch.assign(info->num_arguments, false);
+  size_t unreplayable_writes = 0;
+  bool any_write = false;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::Argument& arg = schema.arguments()[i];
+    const c10::AliasInfo* alias = arg.alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    any_write = true;
+    if (is_scratch_argument(arg.name())) {
+      info->scratch[i] = true;
+    } else {
+      info->writes.push_back(i);
+      ++unreplayable_writes;
+    }
+  }
+  bool all_alias = !schema.returns().empty();
+  for (const c10::Argument& ret : schema.returns()) {
+    const c10::AliasInfo* alias = ret.alias_info();
+    bool aliases_argument = false;
+    if (alias != nullptr) {
+      for (const c10::Argument& arg : schema.arguments()) {
+        const c10::AliasInfo* arg_alias = arg.alias_info();
+        if (arg_alias == nullptr) continue;
+        for (const auto& set : alias->beforeSets()) {
+          if (arg_alias->beforeSets().count(set) != 0) aliases_argument = true;
+        }
+      }
+    }
+    all_alias = all_alias && aliases_argument;
+  }
+  info->random = op.hasTag(at::Tag::nondeterministic_seeded);
+  info->replayable = aten && unreplayable_writes <= 1;
+  info->simple = !any_write && schema.returns().size() == 1 && schema.returns()[0].alias_info() == nullptr &&
+                 schema.returns()[0].type()->kind() == c10::TypeKind::TensorType;
+  if (not_recorded().count(qualified) != 0) {
+    info->kind = OpKind::kSkip;
+  } else if (decomposes_above_autograd(op)) {
+    info->kind = OpKind::kDecomposed;
+  } else if (!any_write && all_alias && aten) {
+    info->kind = OpKind::kView;
+  } else {
+    info->kind = OpKind::kRecord;
+  }
+  return info;
+}
+
+// Per-operator decisions, keyed by the address of the schema's name string
+// (stable while the operator is registered). Touched by the recording thread
+// only; infos are never freed (nodes point at them).
+std::unordered_map<const void*, OpInfo*>& info_cache() {
+  static auto* cache = new std::unordered_map<const void*, OpInfo*>();
+  return *cache;
+}
+
+}  // namespace
+
+const OpInfo* lookup_info(const at::RecordFunction& fn) {
+  const char* key = fn.name();
+  auto& cache = info_cache();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  std::optional<c10::OperatorName> name = fn.operator_name();
+  if (!name) return nullptr;  // a RecordFunction that is not an operator call
+  std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(*name);
+  if (!op) return nullptr;
+  OpInfo* info = make_info(*op).release();
+  cache.emplace(key, info);
+  return info;
+}
+
+}  // namespace lineage
+}  // namespace membudget

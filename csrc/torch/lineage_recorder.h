@@ -1,0 +1,80 @@
+// The C++ lineage recorder (issue 3): records forward ops for recomputation
+// from a thread-local at::RecordFunction callback instead of a Python
+// TorchDispatchMode. See Note [C++ lineage recorder] in lineage_recorder.cpp.
+#pragma once
+#include <ATen/record_function.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torch/lineage_graph.h"
+
+namespace membudget {
+namespace lineage {
+
+// Everything the recorder knows; one per process. Recording happens on the
+// thread that called start(); pack, unpack and replays may come from other
+// threads (CUDA backward), so public entry points take mutex.
+struct RecorderState {
+  std::recursive_mutex mutex;
+  int64_t forward = 0;        // generation of the forward being recorded
+  bool in_backward = true;    // the next recorded op begins a forward
+  int64_t op_index = 0;       // ops of this forward (views included)
+  int64_t ops_recorded = 0;   // since start()
+  uint64_t epoch = 1;         // closures memoised before a sweep are stale
+  struct Recorded {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // pins the address: no reuse while mapped
+    std::shared_ptr<StorageLineage> lineage;
+  };
+  std::unordered_map<const c10::StorageImpl*, Recorded> by_storage;
+  std::unordered_map<const c10::TensorImpl*, std::shared_ptr<External>> externals;  // this forward's
+  std::unordered_map<uint64_t, std::shared_ptr<StorageLineage>> by_entry;
+  // Nodes that wrote into a storage, per forward (Note [Lineage ownership]).
+  std::vector<std::pair<int64_t, std::vector<std::shared_ptr<OpNode>>>> writers;
+  // plan(entry_id, producer index, producer name, output index): a static
+  // plan's pack-time drop (Python; called with the GIL), or null.
+  std::unique_ptr<pybind11::object> plan;
+  bool tracing = false;             // tests: keep the name of every recorded node
+  std::vector<std::string> trace;
+};
+
+RecorderState& state();
+
+// The recorder's decision for the operator a RecordFunction is about
+// (lineage_ops.cpp), or null when it is not an operator call. Recording
+// thread only.
+const OpInfo* lookup_info(const at::RecordFunction& fn);
+
+// Closure of rebuilding `lineage` at `version` (lineage_replay.cpp).
+std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
+                                       int64_t version, bool top, int depth);
+// A storage was packed as entry_id: declares to the manager whether and at
+// what cost its lineage can rebuild it (lineage.py's Lineage.on_pack).
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor);
+// Makes every managed entry whose replay reads the external storage `key`
+// resident and swap-only (replay.py's rescue_dependents_of).
+void rescue_dependents_of(RecorderState& s, uintptr_t key);
+// Re-declares every managed entry's closure after a sweep truncated lineages.
+void redeclare_entries(RecorderState& s);
+// Pauses recording on this thread while alive (replays).
+class PauseRecording {
+ public:
+  PauseRecording();
+  ~PauseRecording();
+
+ private:
+  bool previous_;
+};
+
+void bind_lineage(pybind11::module_& m);
+// lineage_replay.cpp's part of the bindings (on_pack, rebuild).
+void bind_lineage_replay(pybind11::module_& m);
+
+}  // namespace lineage
+}  // namespace membudget

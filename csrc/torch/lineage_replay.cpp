@@ -1,0 +1,334 @@
+// The C++ recorder's pack-time closure and replay: python/membudget/replay.py
+// over lineage_graph.h's data (Note [C++ lineage recorder]). The rules are
+// replay.py's, in the same order; see its module docstring for why.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "torch/lineage_recorder.h"
+#include "torch/saved_activation.h"
+
+namespace py = pybind11;
+
+namespace membudget {
+namespace lineage {
+namespace {
+
+// A replay deeper than this many unmanaged producers is not worth it
+// (replay.py's MAX_REPLAY_DEPTH).
+constexpr int kMaxReplayDepth = 200;
+
+// A dropped entry could not be rebuilt exactly; membudget.lineage_native
+// turns it into membudget.replay.RecomputeError.
+class ReplayError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename T>
+void merge_into(std::vector<T>& into, const std::vector<T>& more) {
+  if (more.empty()) return;
+  into.insert(into.end(), more.begin(), more.end());
+}
+
+template <typename T>
+void sort_unique(std::vector<T>& values) {
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+}
+
+std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
+                                               int64_t version, int depth) {
+  auto result = std::make_shared<Closure>();
+  if (depth > kMaxReplayDepth || version > static_cast<int64_t>(lineage->mutations.size())) return result;
+  bool ok = true;
+  double seconds = 0.0;
+  std::vector<std::shared_ptr<OpNode>> nodes{lineage->producer};
+  for (int64_t i = 0; i < version; ++i) {
+    std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
+    if (writer == nullptr) return result;  // truncated (Note [Lineage ownership])
+    nodes.push_back(std::move(writer));
+  }
+  for (const auto& node : nodes) {
+    ok = ok && node->replayable;
+    seconds += node->seconds;
+    for (const TensorRef& ref : node->refs) {
+      if (ref.lineage == lineage) continue;  // the storage being rebuilt, replayed in order
+      if (ref.external != nullptr) {
+        if (ref.scratch) continue;
+        result->externals.push_back(ref.external->key);
+        ok = ok && ref.external->tensor._version() == static_cast<uint32_t>(ref.tensor_version);
+        continue;
+      }
+      const StorageLineage& source = *ref.lineage;
+      if (ref.version >= static_cast<int64_t>(source.versions.size()) ||
+          source.versions[ref.version] != ref.tensor_version) {
+        ok = false;  // read after a write lineage did not see
+        continue;
+      }
+      std::shared_ptr<const Closure> sub = closure(s, ref.lineage, ref.version, false, depth + 1);
+      ok = ok && sub->ok;
+      seconds += sub->seconds;
+      merge_into(result->deps, sub->deps);
+      merge_into(result->externals, sub->externals);
+    }
+  }
+  sort_unique(result->deps);
+  sort_unique(result->externals);
+  result->ok = ok;
+  result->seconds = seconds;
+  return result;
+}
+
+class Replayer {
+ public:
+  at::Tensor rebuild(const std::shared_ptr<StorageLineage>& lineage, int64_t version) {
+    if (version > static_cast<int64_t>(lineage->mutations.size())) {
+      throw ReplayError("membudget: the lineage of a dropped activation was released; it cannot be recomputed");
+    }
+    std::vector<at::Tensor> outputs = run(*lineage->producer);
+    if (lineage->index >= static_cast<int64_t>(outputs.size()) || !outputs[lineage->index].defined()) {
+      throw ReplayError("membudget: " + lineage->producer->info->name + " did not return the recorded output");
+    }
+    at::Tensor base = outputs[lineage->index];
+    StorageLineage* key = lineage.get();
+    auto previous = overrides_.find(key);
+    std::optional<at::Tensor> saved;
+    if (previous != overrides_.end()) saved = previous->second;
+    overrides_[key] = base;
+    for (int64_t i = 0; i < version; ++i) {
+      std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
+      if (writer == nullptr) {
+        throw ReplayError("membudget: an in-place op in the lineage of a dropped activation was released");
+      }
+      run(*writer);
+    }
+    if (saved) {
+      overrides_[key] = *saved;
+    } else {
+      overrides_.erase(key);
+    }
+    return base;
+  }
+
+ private:
+  std::vector<at::Tensor> run(const OpNode& node) {
+    if (!node.replayable) throw ReplayError("membudget: " + node.info->name + " cannot be replayed");
+    torch::jit::Stack stack;
+    stack.reserve(node.args.size());
+    for (const ArgSlot& slot : node.args) {
+      switch (slot.kind) {
+        case ArgSlot::kPlain:
+          stack.push_back(slot.plain);
+          break;
+        case ArgSlot::kTensor:
+          stack.emplace_back(resolve(node.refs[slot.refs[0]]));
+          break;
+        case ArgSlot::kTensorList: {
+          c10::List<at::Tensor> list;
+          for (int32_t r : slot.refs) list.push_back(resolve(node.refs[r]));
+          stack.emplace_back(std::move(list));
+          break;
+        }
+        case ArgSlot::kOptionalTensorList: {
+          c10::List<std::optional<at::Tensor>> list;
+          for (int32_t r : slot.refs) {
+            list.push_back(r < 0 ? std::optional<at::Tensor>() : std::optional<at::Tensor>(resolve(node.refs[r])));
+          }
+          stack.emplace_back(std::move(list));
+          break;
+        }
+      }
+    }
+    if (node.generator) {
+      at::Generator generator = *node.generator;
+      at::Tensor saved;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        saved = generator.get_state();
+        generator.set_state(node.generator_state);
+      }
+      try {
+        node.info->op.callBoxed(stack);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(saved);
+        throw;
+      }
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(saved);
+    } else {
+      node.info->op.callBoxed(stack);
+    }
+    std::vector<at::Tensor> outputs;
+    for (const c10::IValue& value : stack) {
+      if (value.isTensor()) {
+        outputs.push_back(value.toTensor());
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& t : value.toTensorList().vec()) outputs.push_back(t);
+      } else {
+        outputs.emplace_back();
+      }
+    }
+    return outputs;
+  }
+
+  at::Tensor resolve(const TensorRef& ref) {
+    at::Tensor holder = storage_holder(ref).detach();
+    at::Tensor view = as_recorded(holder, ref);
+    return ref.scratch ? view.clone() : view;
+  }
+
+  // A tensor whose storage holds ref's storage at ref.version.
+  at::Tensor storage_holder(const TensorRef& ref) {
+    if (ref.external != nullptr) {
+      const at::Tensor& held = ref.external->tensor;
+      if (!ref.scratch && held._version() != static_cast<uint32_t>(ref.tensor_version)) {
+        throw ReplayError("membudget: an input of a dropped activation was modified in place after forward (version " +
+                          std::to_string(ref.tensor_version) + " -> " + std::to_string(held._version()) +
+                          "); it cannot be recomputed");
+      }
+      return held;
+    }
+    const std::shared_ptr<StorageLineage>& source = ref.lineage;
+    auto override_it = overrides_.find(source.get());
+    if (override_it != overrides_.end()) return override_it->second;
+    if (ref.version == static_cast<int64_t>(source->mutations.size())) {
+      if (source->entry_id != 0) {
+        at::Tensor resident = entry_storage(source->entry_id);
+        if (resident.defined()) return resident;
+      }
+      c10::intrusive_ptr<c10::TensorImpl> alive = source->base.lock();
+      if (alive) {
+        at::Tensor tensor(std::move(alive));
+        if (static_cast<int64_t>(tensor._version()) == source->versions.back()) return tensor;
+      }
+    }
+    return rebuild(source, ref.version);
+  }
+
+  static at::Tensor as_recorded(at::Tensor holder, const TensorRef& ref) {
+    if (holder.scalar_type() == ref.dtype && holder.storage_offset() == ref.offset &&
+        holder.sizes().equals(ref.sizes) && holder.strides().equals(ref.strides)) {
+      return holder;
+    }
+    if (holder.scalar_type() != ref.dtype) {
+      if (holder.dim() != 1 || holder.storage_offset() != 0 || holder.element_size() != 1) {
+        throw ReplayError("membudget: cannot reinterpret a replay input as another dtype");
+      }
+      holder = holder.view(ref.dtype);  // whole storage as bytes -> as elements
+    }
+    return holder.as_strided(ref.sizes, ref.strides, ref.offset);
+  }
+
+  std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
+};
+
+at::Tensor rebuild_entry(uint64_t entry_id) {
+  RecorderState& s = state();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  auto it = s.by_entry.find(entry_id);
+  if (it == s.by_entry.end()) {
+    throw ReplayError("membudget: no lineage recorded for dropped activation " + std::to_string(entry_id));
+  }
+  std::shared_ptr<StorageLineage> lineage = it->second;
+  PauseRecording paused;
+  return Replayer().rebuild(lineage, static_cast<int64_t>(lineage->mutations.size()));
+}
+
+}  // namespace
+
+std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
+                                       int64_t version, bool top, int depth) {
+  const bool managed_input =
+      !top && lineage->entry_id != 0 && version == static_cast<int64_t>(lineage->mutations.size());
+  if (lineage->memo_epoch != s.epoch) {
+    lineage->memo.clear();
+    lineage->memo_epoch = s.epoch;
+  }
+  std::shared_ptr<const Closure> result;
+  if (version < static_cast<int64_t>(lineage->memo.size())) result = lineage->memo[version];
+  if (result == nullptr) {
+    result = compute_closure(s, lineage, version, depth);
+    if (static_cast<int64_t>(lineage->memo.size()) <= version) lineage->memo.resize(version + 1);
+    lineage->memo[version] = result;
+  }
+  if (managed_input) {
+    // Read, not replayed: the manager adds its cost when it is dropped.
+    auto input = std::make_shared<Closure>();
+    input->ok = result->ok;
+    input->deps = {lineage->entry_id};
+    input->externals = result->externals;
+    return input;
+  }
+  return result;
+}
+
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor) {
+  auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
+  if (it == s.by_storage.end()) return;
+  std::shared_ptr<StorageLineage> lineage = it->second.lineage;
+  if (lineage->entry_id != 0) return;
+  if (static_cast<int64_t>(tensor._version()) != lineage->versions.back()) {
+    return;  // written by something lineage did not see
+  }
+  std::shared_ptr<const Closure> result =
+      closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
+  lineage->entry_id = entry_id;
+  s.by_entry[entry_id] = lineage;
+  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);
+  if (result->ok && s.plan != nullptr) {
+    std::string name = lineage->producer->info->name;
+    name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
+    py::gil_scoped_acquire gil;
+    (*s.plan)(entry_id, lineage->producer->index, name, lineage->index);
+  }
+}
+
+void rescue_dependents_of(RecorderState& s, uintptr_t key) {
+  std::vector<uint64_t> rescued;
+  for (const auto& [entry_id, lineage] : s.by_entry) {
+    const size_t version = lineage->mutations.size();
+    if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
+    const Closure& memo = *lineage->memo[version];
+    if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
+      rescued.push_back(entry_id);
+    }
+  }
+  if (rescued.empty()) return;
+  py::gil_scoped_acquire gil;  // entry_storage may call the Python recompute callback
+  for (uint64_t entry_id : rescued) {
+    entry_storage(entry_id);
+    set_entry_recompute_info(entry_id, false, 0.0, {});
+  }
+}
+
+void redeclare_entries(RecorderState& s) {
+  for (const auto& [entry_id, lineage] : s.by_entry) {
+    std::shared_ptr<const Closure> result =
+        closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
+    set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);
+  }
+}
+
+void bind_lineage_replay(py::module_& m) {
+  py::register_exception<ReplayError>(m, "ReplayError", PyExc_RuntimeError);
+  m.def("describe", [](const at::Tensor& tensor) -> py::object {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (!tensor.has_storage()) return py::none();
+    auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
+    if (it == s.by_storage.end()) return py::none();
+    const StorageLineage& lineage = *it->second.lineage;
+    return py::make_tuple(lineage.producer->info->name, lineage.producer->index, lineage.index, lineage.versions,
+                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size());
+  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations) of a tensor's "
+     "storage lineage, or None (tests and debugging).");
+  m.def("rebuild", &rebuild_entry, py::arg("entry_id"),
+        "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot).");
+}
+
+}  // namespace lineage
+}  // namespace membudget

@@ -1,0 +1,88 @@
+"""The C++ lineage recorder's Python face (``MEMBUDGET_LINEAGE=cxx``).
+
+Where this sits in the flow: with recomputation allowed, ``install()``
+(:mod:`membudget._runtime`) creates either the Python recorder
+(:class:`membudget.lineage.Lineage` under a ``TorchDispatchMode``, the
+reference) or this one. Forward ops are recorded by a thread-local
+``at::RecordFunction`` callback on the thread that called ``install()``, and
+the pack-time closure and the replay run in C++ too (Note [C++ lineage
+recorder] in csrc/torch/lineage_recorder.cpp): what is left here is the
+glue the pack hook, the unpack hook and the recompute callback need, with
+the same interface as :class:`~membudget.lineage.Lineage` for them.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .replay import RecomputeError
+
+__all__ = ["NativeLineage"]
+
+
+class NativeLineage:
+    """Records forward ops in C++ for one install; see the module docstring."""
+
+    def __init__(self, native, plan=None):
+        self.native = native
+        self.recorder = native.lineage
+        self.plan = plan
+        self._suspended = 0  # nesting of without_recording (autograd.grad inside backward hooks)
+
+    def start(self) -> None:
+        """Starts recording on the calling thread."""
+        if self.plan is not None:
+            plan, native = self.plan, self.native
+
+            def drop_if_planned(entry_id: int, op_index: int, op_name: str, output_index: int) -> None:
+                if plan.drops(op_index, op_name, output_index):
+                    native.plan_drop(entry_id)
+
+            self.recorder.set_plan(drop_if_planned)
+        else:
+            self.recorder.set_plan(None)
+        self.recorder.start()
+
+    def stop(self) -> None:
+        """Stops recording on the calling thread."""
+        self.recorder.stop()
+        self.recorder.set_plan(None)
+
+    def without_recording(self, function, args, kwargs):
+        """``function(*args, **kwargs)`` with this thread's callback off
+        (``backward()``, ``autograd.grad()``; Note [Backward without the
+        lineage mode] in ``_runtime.py``)."""
+        self._suspended += 1
+        if self._suspended == 1:
+            self.recorder.set_enabled(False)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self._suspended -= 1
+            if self._suspended == 0:
+                self.recorder.set_enabled(True)
+
+    @property
+    def ops_recorded(self) -> int:
+        """Forward ops recorded since :meth:`start` (views included, as in Python)."""
+        return self.recorder.ops_recorded()
+
+    def note_unpack(self) -> None:
+        """Backward has begun: the next recorded op starts a new forward."""
+        self.recorder.note_backward()
+
+    def on_pack(self, handle, tensor: torch.Tensor) -> None:
+        """Declares to the manager how a newly managed storage can be rebuilt
+        (:meth:`membudget.lineage.Lineage.on_pack`; in C++, possibly when the
+        op that made it returns: Note [Packed before recorded])."""
+        self.recorder.on_pack(handle.entry_id, tensor)
+
+    def rebuild(self, entry_id: int) -> torch.Tensor:
+        """The recompute callback: replays a dropped entry's storage
+        (:func:`membudget.replay.rebuild_entry`; same grad mode and no
+        Python modes, for the same reasons)."""
+        try:
+            with torch.enable_grad(), _disable_current_modes():
+                return self.recorder.rebuild(entry_id)
+        except self.recorder.ReplayError as error:
+            raise RecomputeError(str(error)) from None
