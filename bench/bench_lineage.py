@@ -255,6 +255,18 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     return row
 
 
+def _forward_only_setup(name: str, args):
+    """Installs the swap-only, roomy configuration and builds the model and
+    its batch: the common start of the forward-only comparisons."""
+    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
+    membudget.install(budget=BUDGET, actions="swap", min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
+    native = load_extension()
+    torch.manual_seed(0)
+    model = workload.build()
+    model.train()
+    return workload, native, model, workload.batch(torch.device("cpu"))
+
+
 def compare_lineage(name: str, other_path: str, args) -> Dict[str, Any]:
     """Forward-only recording cost of ``other_path``'s lineage recorder
     against this checkout's, in one process (see the module docstring)."""
@@ -266,13 +278,7 @@ def compare_lineage(name: str, other_path: str, args) -> Dict[str, Any]:
     other = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = other
     spec.loader.exec_module(other)
-    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
-    membudget.install(budget=BUDGET, actions="swap", min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
-    native = load_extension()
-    torch.manual_seed(0)
-    model = workload.build()
-    model.train()
-    data = workload.batch(torch.device("cpu"))
+    workload, native, model, data = _forward_only_setup(name, args)
     recorders = {"other": other.Lineage(native), "this": this.Lineage(native)}
     modes = {"other": other.LineageMode(recorders["other"]), "this": this.LineageMode(recorders["this"])}
     times: Dict[str, List[float]] = {"none": [], "other": [], "this": []}
@@ -309,13 +315,7 @@ def forward_recorders(name: str, args) -> Dict[str, Any]:
     optimizer: the recording alone; see the module docstring)."""
     from membudget import lineage as python_lineage
 
-    workload = WORKLOADS[name]["quick" if args.quick else "default"]()
-    membudget.install(budget=BUDGET, actions="swap", min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
-    native = load_extension()
-    torch.manual_seed(0)
-    model = workload.build()
-    model.train()
-    data = workload.batch(torch.device("cpu"))
+    workload, native, model, data = _forward_only_setup(name, args)
     python_recorder = python_lineage.Lineage(native)
     mode = python_lineage.LineageMode(python_recorder)
     times: Dict[str, List[float]] = {"none": [], "python": [], "cxx": []}

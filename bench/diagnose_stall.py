@@ -146,26 +146,12 @@ def summarize(timeline: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _trace(name: str):
-    import torch
-
-    import membudget
+    """The trace bench_simulate.py's validation simulates for this workload."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_simulate import _trace_workload
     from membudget import models
 
-    workload = models.WORKLOADS[name]["default"]()
-    torch.manual_seed(0)
-
-    def setup():
-        model = workload.build()
-        model.train()
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step(state):
-        model, optimizer = state
-        optimizer.zero_grad(set_to_none=True)
-        workload.loss(model, workload.batch(torch.device("cpu"))).backward()
-        optimizer.step()
-
-    return membudget.trace(step, setup=setup, warmup=1, metadata={"model": name})
+    return _trace_workload(models.WORKLOADS[name]["default"]())
 
 
 def _simulate(trace, budget: int, actions: str, device) -> Dict[str, Any]:

@@ -49,6 +49,19 @@ def python_lineage(monkeypatch):
     monkeypatch.setenv("MEMBUDGET_LINEAGE", "python")
 
 
+@pytest.fixture(scope="module")
+def gpt_trace():
+    """A fake-tensor trace of a small GPT step (forward and backward), for the
+    simulator's tests."""
+    import membudget
+    from membudget.models import gpt
+
+    w = gpt(batch=4, context=128, width=64, heads=4, layers=2, vocab=512)
+    torch.manual_seed(0)
+    return membudget.trace(lambda m: w.loss(m, w.batch(torch.device("cpu"))).backward(), fake=True,
+                           setup=w.build, metadata={"model": "gpt-quick"})
+
+
 @pytest.fixture(autouse=True)
 def membudget_clean_state():
     """After each test: uninstall, drop garbage, return cached segments, zero

@@ -72,17 +72,6 @@ def test_recompute_ahead_setting_reaches_the_runtime(monkeypatch):
     assert not membudget.is_installed()
 
 
-@pytest.fixture(scope="module")
-def gpt_trace():
-    import torch
-
-    from membudget.models import gpt
-
-    w = gpt(batch=4, context=128, width=64, heads=4, layers=2, vocab=512)
-    torch.manual_seed(0)
-    return membudget.trace(lambda m: w.loss(m, w.batch(torch.device("cpu"))).backward(), fake=True,
-                           setup=w.build, metadata={"model": "gpt-quick"})
-
 
 def test_simulated_recompute_ahead_runs_on_the_side_stream(gpt_trace):
     def run(ahead, overlap=0.25):

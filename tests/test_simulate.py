@@ -8,7 +8,6 @@ import torch
 
 import membudget
 from membudget import costs
-from membudget.models import gpt
 from membudget.replay_program import Code, Program
 from membudget.simulate import BASELINES, policies, unbudgeted_peak
 
@@ -16,13 +15,6 @@ pytestmark = pytest.mark.requires_native
 
 MiB = 1 << 20
 
-
-@pytest.fixture(scope="module")
-def gpt_trace():
-    w = gpt(batch=4, context=128, width=64, heads=4, layers=2, vocab=512)
-    torch.manual_seed(0)
-    return membudget.trace(lambda m: w.loss(m, w.batch(torch.device("cpu"))).backward(), fake=True,
-                           setup=w.build, metadata={"model": "gpt-quick"})
 
 
 def _replay(program, budget, link=1e9, use_manager=False, policy="delta", **link_model):

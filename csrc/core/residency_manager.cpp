@@ -358,6 +358,16 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
   return true;
 }
 
+void ResidencyManager::wait_for_arrival(ResidencyEntry* entry, Stream stream, bool was_prefetched) {
+  // The compute stream waits for the swap-in or side-stream replay; on the
+  // host backend this blocks.
+  auto start = backend_.clock_now();
+  backend_.stream_wait(stream, entry->copy_event_);
+  counters_.stall_seconds += seconds_since(backend_, start);
+  finish_copy(entry);
+  if (was_prefetched) ++counters_.prefetch_hits;
+}
+
 void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
@@ -374,15 +384,9 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
     case Residency::swapping_out:
       if (was_prefetched) ++counters_.prefetch_hits;
       break;
-    case Residency::swapping_in: {
-      auto start = backend_.clock_now();
-      // The compute stream waits for the copy; on the host backend this blocks.
-      backend_.stream_wait(stream, entry->copy_event_);
-      counters_.stall_seconds += seconds_since(backend_, start);
-      finish_copy(entry);
-      if (was_prefetched) ++counters_.prefetch_hits;
+    case Residency::swapping_in:
+      wait_for_arrival(entry, stream, was_prefetched);
       break;
-    }
     case Residency::host: {
       ++counters_.prefetch_misses;
       auto start = backend_.clock_now();
@@ -392,11 +396,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
     }
     case Residency::recomputing:
       if (entry->copy_event_) {  // replayed ahead on a side stream (Note [Recompute ahead])
-        auto start = backend_.clock_now();
-        backend_.stream_wait(stream, entry->copy_event_);
-        counters_.stall_seconds += seconds_since(backend_, start);
-        finish_copy(entry);
-        if (was_prefetched) ++counters_.prefetch_hits;
+        wait_for_arrival(entry, stream, was_prefetched);
         break;
       }
       if (entry->ahead_queued_) {

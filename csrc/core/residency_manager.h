@@ -170,6 +170,9 @@ class ResidencyManager final : public Evictor {
   // All private methods assume mutex_ is held.
   void reap_completed_copies();
   void finish_copy(ResidencyEntry* entry);
+  // materialize(): waits on the entry's copy_event_ (a swap-in, or a replay
+  // ahead on a side stream), counting the stall and the prefetch hit.
+  void wait_for_arrival(ResidencyEntry* entry, Stream stream, bool was_prefetched);
   std::vector<EvictionCandidate> candidates(int64_t min_next_use);
   // The candidate's facts (the filter scores them) and the director's choice
   // for it (also returned through `decision` when given).
