@@ -4,6 +4,7 @@ for bit (dropout replays its generator state), the peak stays within the
 budget, tensors are actually dropped and rebuilt, and with a small host tier
 the director uses both actions."""
 import pytest
+import torch
 
 from models import bert, gpt2, lstm
 from training import assert_identical, run_managed, run_plain
@@ -44,3 +45,28 @@ def test_recompute_and_mixed_training_is_exact(make_workload):
         # speed; on a loaded machine the director may rightly never swap it.
         assert stats["swap_out_bytes"] > 0, "director never swapped"
     assert stats["host_tier_peak_bytes"] <= SMALL_HOST_TIER
+
+
+def test_recompute_only_cnn_with_batch_norm_is_exact(lineage_recorder, request):
+    """membudget's ResNet-style CNN (batch norm, in-place ReLU, residual adds)
+    recompute-only at 70% of its unmanaged peak, as bench_recompute.py runs it."""
+    if lineage_recorder == "cxx":
+        # bench/RESULTS.md, "Issue 3 on the CPU: bench_recompute.py on main
+        # after this session's merges": the C++ recorder OOMs here with
+        # entries counted evictable that are not dropped. Strict, so a fix
+        # turns this into a failure that asks for the marker to go.
+        request.applymarker(pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError,
+                                              reason="C++ recorder: CNN entries not dropped (undiagnosed)"))
+    from membudget.models import cnn
+
+    work = cnn()
+    batch = lambda: work.batch(torch.device("cpu"))  # noqa: E731
+    reference = run_plain(work.build, batch, work.loss, STEPS)
+    unbudgeted = run_managed(work.build, batch, work.loss, STEPS, budget=None)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] * 7 // 10
+    recompute = run_managed(work.build, batch, work.loss, STEPS, budget=budget, actions="recompute")
+    assert_identical(reference, recompute)
+    stats = recompute.stats
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
+    assert stats["num_ooms"] == 0
