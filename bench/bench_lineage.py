@@ -400,6 +400,14 @@ def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     return "\n".join(lines)
 
 
+def _emit(command: str, setup: str, table: str, markdown: Optional[str]) -> None:
+    """Prints a forward-only comparison and appends it to ``--markdown``."""
+    print(f"\n{command}\n{setup}\n{table}")
+    if markdown:
+        with open(markdown, "a") as out:
+            out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{table}\n")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -441,10 +449,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         table = "\n".join(lines)
         setup = (f"{machine_line('cpu', args.threads)}; {args.rounds * 2} rounds of none / python / cxx, "
                  f"{args.steps} forwards each; {time.perf_counter() - started:.0f} s in all")
-        print(f"\n{command}\n{setup}\n{table}")
-        if args.markdown:
-            with open(args.markdown, "a") as out:
-                out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{table}\n")
+        _emit(command, setup, table, args.markdown)
         return 0
     if args.compare_lineage:
         rows = [compare_lineage(model, args.compare_lineage, args) for model in models]
@@ -452,10 +457,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         table = format_comparison(rows, args.compare_lineage)
         setup = (f"{machine_line('cpu', args.threads)}; {args.rounds * 2} rounds of none / other / this, "
                  f"{args.steps} forwards each; {time.perf_counter() - started:.0f} s in all")
-        print(f"\n{command}\n{setup}\n{table}")
-        if args.markdown:
-            with open(args.markdown, "a") as out:
-                out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n{table}\n")
+        _emit(command, setup, table, args.markdown)
         return 0
     rows = [bench_model(model, args) for model in models]
     elapsed = time.perf_counter() - started
