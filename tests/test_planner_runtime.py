@@ -9,7 +9,7 @@ import torch
 
 import membudget
 from models import gpt2
-from training import assert_identical, run_managed, run_plain
+from training import assert_identical, reference_and_half_peak, run_managed
 
 pytestmark = pytest.mark.requires_native
 
@@ -19,10 +19,7 @@ MIN_TENSOR_BYTES = 16 * 1024
 
 def test_plan_with_runtime_is_exact_and_evicts_less():
     work = gpt2(batch=4, seq=128)
-    reference = run_plain(work.build, work.batch, work.loss, STEPS)
-    unbudgeted = run_managed(work.build, work.batch, work.loss, STEPS, budget=None,
-                             min_tensor_bytes=MIN_TENSOR_BYTES)
-    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
     dynamic = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="recompute",
                           min_tensor_bytes=MIN_TENSOR_BYTES)
     assert_identical(reference, dynamic)

@@ -9,7 +9,7 @@ import pytest
 import membudget
 from membudget._native import load_extension
 from models import gpt2, lstm
-from training import assert_identical, run_managed, run_plain
+from training import assert_identical, reference_and_half_peak, run_managed
 
 pytestmark = pytest.mark.requires_native
 
@@ -31,10 +31,7 @@ def immediate_timing():
 @pytest.mark.parametrize("make_workload", [gpt2, lstm], ids=["gpt2", "lstm"])
 def test_training_with_recompute_ahead_is_exact(make_workload, immediate_timing):
     work = make_workload()
-    reference = run_plain(work.build, work.batch, work.loss, STEPS)
-    unbudgeted = run_managed(work.build, work.batch, work.loss, STEPS, budget=None,
-                             min_tensor_bytes=MIN_TENSOR_BYTES)
-    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
 
     ahead = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="recompute",
                         min_tensor_bytes=MIN_TENSOR_BYTES, recompute_ahead=True)
@@ -54,10 +51,7 @@ def test_training_with_recompute_ahead_is_exact(make_workload, immediate_timing)
 
 def test_mixed_actions_with_recompute_ahead_are_exact(immediate_timing):
     work = gpt2()
-    reference = run_plain(work.build, work.batch, work.loss, STEPS)
-    unbudgeted = run_managed(work.build, work.batch, work.loss, STEPS, budget=None,
-                             min_tensor_bytes=MIN_TENSOR_BYTES)
-    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
     mixed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="both",
                         host_budget=2 << 20, min_tensor_bytes=MIN_TENSOR_BYTES, recompute_ahead=True)
     assert_identical(reference, mixed)

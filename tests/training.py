@@ -77,3 +77,13 @@ def assert_identical(reference: RunResult, managed: RunResult) -> None:
     assert reference.params.keys() == managed.params.keys()
     for name, value in reference.params.items():
         assert torch.equal(value, managed.params[name]), f"parameter {name} differs"
+
+
+def reference_and_half_peak(work, steps: int, min_tensor_bytes: int):
+    """The plain run of ``work`` and half the peak reserved by an unbudgeted
+    managed run (a budget that forces eviction): the start of most tests
+    that compare a budgeted run with plain PyTorch."""
+    reference = run_plain(work.build, work.batch, work.loss, steps)
+    unbudgeted = run_managed(work.build, work.batch, work.loss, steps, budget=None,
+                             min_tensor_bytes=min_tensor_bytes)
+    return reference, unbudgeted.stats["reserved_bytes.all.peak"] // 2

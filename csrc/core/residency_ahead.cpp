@@ -108,12 +108,8 @@ void ResidencyManager::complete_recompute_ahead(ResidencyEntry* entry, bool succ
     ++counters_.recompute_ahead_failed;
     return;
   }
-  --dropped_entries_;
-  neighbourhoods_.remove(entry->id(), entry->replay_seconds_);
-  ++counters_.recompute_count;
+  note_rebuilt(entry, seconds);
   ++counters_.recomputed_ahead_count;
-  counters_.recompute_bytes += entry->bytes();
-  counters_.recompute_seconds += seconds;
   entry->recomputed_ahead_ = true;
   if (ready && !ready->ready()) {
     entry->copy_event_ = std::move(ready);  // finish_copy() makes it resident

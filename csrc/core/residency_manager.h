@@ -170,6 +170,9 @@ class ResidencyManager final : public Evictor {
   // All private methods assume mutex_ is held.
   void reap_completed_copies();
   void finish_copy(ResidencyEntry* entry);
+  // A dropped entry rebuilt, on demand or ahead: out of the dropped set and
+  // its neighbourhood, into the recompute counters.
+  void note_rebuilt(ResidencyEntry* entry, double seconds);
   // materialize(): waits on the entry's copy_event_ (a swap-in, or a replay
   // ahead on a side stream), counting the stall and the prefetch hit.
   void wait_for_arrival(ResidencyEntry* entry, Stream stream, bool was_prefetched);

@@ -161,6 +161,10 @@ void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded,
     return;
   }
   entry->state_ = Residency::resident;
+  note_rebuilt(entry, seconds);
+}
+
+void ResidencyManager::note_rebuilt(ResidencyEntry* entry, double seconds) {
   --dropped_entries_;
   neighbourhoods_.remove(entry->id(), entry->replay_seconds_);
   ++counters_.recompute_count;
