@@ -29,7 +29,9 @@
 // wrote into it weakly; those nodes are owned by the forward that recorded
 // them (RecorderState::writers) and released two forwards later. A lineage
 // whose writer is gone is truncated: its later versions are not replayable
-// (closure says so; the manager is told again for live entries).
+// (closure says so; the manager is told again for live entries), and a
+// later read of the storage holds it instead (Note [Held scratch and
+// long-lived storages]).
 //
 // Storage lineage is keyed by StorageImpl (residency is per storage, and a
 // view shares its base's storage, so views need no bookkeeping at all). The
@@ -131,6 +133,27 @@ void begin_forward(RecorderState& s) {
   }
 }
 
+// Note [Held scratch and long-lived storages]: a storage that outlives the
+// forward that made it (batch norm's running statistics, a mask built once
+// with an in-place fill) keeps its lineage, but the writer nodes of that
+// forward are released two forwards later (Note [Lineage ownership]); read
+// through its lineage after that, it makes every closure that reaches it
+// unreplayable, and so every activation downstream swap-only. (Batch norm's
+// kernels update the running statistics without bumping their version
+// counter, so the version check never turns them into inputs held like
+// parameters, as other writes lineage does not see do; recompute-only CNN
+// runs then ran out of memory with most of their activations swap-only.) A
+// storage whose history is released is therefore read as a held input from
+// then on, its version checked at replay like any held input; and scratch
+// arguments are always held: a replay reads only a copy of their current
+// value, which no output depends on, so their history is never needed.
+bool history_released(const StorageLineage& lineage) {
+  for (const std::weak_ptr<OpNode>& writer : lineage.mutations) {
+    if (writer.expired()) return true;
+  }
+  return false;
+}
+
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   TensorRef ref;
   ref.tensor_version = tensor.has_storage() ? static_cast<int64_t>(tensor._version()) : 0;
@@ -139,15 +162,18 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.offset = tensor.storage_offset();
   ref.dtype = tensor.scalar_type();
   ref.scratch = scratch;
-  if (tensor.has_storage()) {
+  if (tensor.has_storage() && !scratch) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
-    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back()) {
+    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back() &&
+        !history_released(*it->second.lineage)) {
       ref.lineage = it->second.lineage;
       ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
       return ref;
     }
-    // Not seen, or written where lineage could not see (no_grad code such as
-    // weight init, another thread): an input held like a parameter.
+    // Not seen, written where lineage could not see (no_grad code such as
+    // weight init, another thread), or its history released: an input held
+    // like a parameter. Scratch arguments are always held (Note [Held
+    // scratch and long-lived storages]).
   }
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
   if (held == nullptr) {
