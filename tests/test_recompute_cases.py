@@ -266,3 +266,72 @@ def test_long_lived_storages_keep_activations_recomputable_step_after_step():
     _assert_same(plain, managed)
     assert run.recomputes[0] > 0
     assert run.recomputes == [run.recomputes[0]] * steps, run.recomputes
+
+
+@torch.library.custom_op("membudget_test::cube", mutates_args=())
+def _cube(x: torch.Tensor) -> torch.Tensor:
+    return x * x * x
+
+
+@_cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _cube_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _cube_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * 3 * x * x
+
+
+_cube.register_autograd(_cube_backward, setup_context=_cube_setup_context)
+
+
+class _WithCustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        # Saved, in pack order: x (by a), h / 4 (by the custom op), y (by
+        # tanh and b), the output (by square).
+        h = self.a(x)
+        y = torch.tanh(_cube(h / 4))
+        return self.b(y)
+
+
+def test_custom_ops_are_unrecomputable_and_still_swapped(lineage_recorder):
+    # An op outside aten/prims may have side effects lineage cannot see.
+    # The C++ recorder records it as unreplayable: its output, and all that
+    # is computed from it, is swap-only; what only its inputs came from stays
+    # recomputable. The Python mode never sees it (a custom op's autograd
+    # runs its forward with grad off, which the mode does not record): its
+    # output is a tensor no recorded op produced, held as an input like a
+    # parameter, so everything stays recomputable. Exact either way.
+    recomputable = []
+
+    def run(model, x, evict):
+        loss = model(x).square().mean()
+        if evict:
+            recomputable[:] = [e["recomputable"] for e in sorted(load_extension().entries(),
+                                                                    key=lambda e: e["pack_seq"])]
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    plain = _grads(_WithCustomOp, run)
+    recompute_only = _grads(_WithCustomOp, run, evict=True, actions="recompute")
+    downstream = lineage_recorder == "python"
+    assert recomputable == [True, True, downstream, downstream]
+    _assert_same(plain, recompute_only)  # x is held by the caller: h / 4 at least
+    assert recompute_only[2]["swap_out_bytes"] == 0
+    both = _grads(_WithCustomOp, run, evict=True, actions="both")
+    assert torch.equal(plain[0], both[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], both[1][name]), name
+    if not downstream:
+        assert both[2]["swap_out_count"] >= 2  # y and the output could only be swapped
