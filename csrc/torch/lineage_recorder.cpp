@@ -33,6 +33,23 @@
 // later read of the storage holds it instead (Note [Held scratch and
 // long-lived storages]).
 //
+// Note [Recorder lock and the GIL]: the GIL is taken before the recorder's
+// lock, never after. Every binding (on_pack, rebuild, ops_recorded, ...) is
+// entered with the GIL held and then takes the lock; a thread that held the
+// lock and then waited for the GIL would deadlock against it. That happened:
+// the recording thread (in an op's callback, without the GIL) rescued the
+// entries reading an input about to be written in place, taking the GIL
+// under the lock, while another thread held the GIL and waited in a binding
+// for the lock (bench/stress_recorder_lock.py hung within seconds; a CUDA
+// backward thread replaying an entry is that other thread in practice). So
+// the callbacks collect under the lock what needs the GIL -- rescues, a
+// static plan's queries, and the references they drop (the last C++
+// reference to a tensor with a Python object takes the GIL when released) --
+// in a Deferred, and run it once the lock is released; and a replay holds
+// the lock only to read what recording may still change (Replayer in
+// lineage_replay.cpp), since materialising its inputs releases and retakes
+// the GIL.
+//
 // Storage lineage is keyed by StorageImpl (residency is per storage, and a
 // view shares its base's storage, so views need no bookkeeping at all). The
 // map holds a weak reference to each StorageImpl, which keeps its address
@@ -109,22 +126,34 @@ uintptr_t storage_address(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.storage().data());
 }
 
-void begin_forward(RecorderState& s) {
+void begin_forward(RecorderState& s, Deferred& deferred) {
   s.in_backward = false;
   s.op_index = 0;
   s.forward += 1;
+  for (auto& [impl, external] : s.externals) deferred.released.push_back(std::move(external));
   s.externals.clear();
   for (auto it = s.by_storage.begin(); it != s.by_storage.end();) {
-    it = it->second.storage.expired() ? s.by_storage.erase(it) : std::next(it);
+    if (!it->second.storage.expired()) {
+      ++it;
+      continue;
+    }
+    deferred.released.push_back(std::move(it->second.lineage));
+    it = s.by_storage.erase(it);
   }
   std::vector<uint64_t> live = live_entry_ids();
   std::unordered_set<uint64_t> live_set(live.begin(), live.end());
   for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
-    it = live_set.count(it->first) == 0 ? s.by_entry.erase(it) : std::next(it);
+    if (live_set.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    deferred.released.push_back(std::move(it->second));
+    it = s.by_entry.erase(it);
   }
   bool truncated = false;
   while (!s.writers.empty() && s.writers.front().first <= s.forward - kForwardsKept) {
     truncated = truncated || !s.writers.front().second.empty();
+    for (std::shared_ptr<OpNode>& writer : s.writers.front().second) deferred.released.push_back(std::move(writer));
     s.writers.erase(s.writers.begin());
   }
   if (truncated) {
@@ -269,46 +298,58 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
   if (!all_plain(inputs)) return nullptr;  // tensor subclasses (fake, functional): not ours
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  if (s.in_backward) begin_forward(s);
-  ++s.op_index;
-  ++s.ops_recorded;
-  if (info->kind == OpKind::kView) {
-    if (s.tracing) s.trace.push_back("view " + info->name);
-    return nullptr;  // shares its source's storage lineage
-  }
-  auto node = std::make_shared<OpNode>();
-  node->info = info;
-  node->index = s.op_index - 1;
-  node->replayable = info->replayable;
-  capture_arguments(s, *info, inputs, *node);
-  if (s.tracing) s.trace.push_back(info->name);
-  if (info->random) capture_generator(*info, inputs, *node);
-  for (size_t position : info->writes) {
-    if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
-    const TensorRef& ref = node->refs[node->args[position].refs[0]];
-    if (ref.lineage != nullptr) {
-      t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (s.in_backward) begin_forward(s, deferred);
+    ++s.op_index;
+    ++s.ops_recorded;
+    if (info->kind == OpKind::kView) {
+      if (s.tracing) s.trace.push_back("view " + info->name);
     } else {
-      // A write to a tensor lineage did not produce: entries whose replay
-      // reads it are made resident now, before the write lands.
-      rescue_dependents_of(s, ref.external->key);
+      auto node = std::make_shared<OpNode>();
+      node->info = info;
+      node->index = s.op_index - 1;
+      node->replayable = info->replayable;
+      capture_arguments(s, *info, inputs, *node);
+      if (s.tracing) s.trace.push_back(info->name);
+      if (info->random) capture_generator(*info, inputs, *node);
+      for (size_t position : info->writes) {
+        if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
+        const TensorRef& ref = node->refs[node->args[position].refs[0]];
+        if (ref.lineage != nullptr) {
+          t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
+        } else {
+          // A write to a tensor lineage did not produce: entries whose replay
+          // reads it are made resident, before the write lands (below).
+          deferred.rescues.push_back(ref.external->key);
+        }
+      }
+      Frame& frame = t_frames[slot];
+      frame.node = std::move(node);
+      frame.info = info;
     }
   }
-  Frame& frame = t_frames[slot];
-  frame.node = std::move(node);
-  frame.info = info;
-  frame.start = Clock::now();
+  deferred.run(s);
+  // After the rescues (which may replay): they are not this op's time.
+  t_frames[slot].start = Clock::now();
   return nullptr;
 }
 
-void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t) {
+void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t,
+                   Deferred& deferred) {
   if (!t.defined() || !t.has_storage() || !is_plain(t)) return;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
-  s.by_storage.insert_or_assign(
-      impl, RecorderState::Recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)});
+  RecorderState::Recorded recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)};
+  auto [it, inserted] = s.by_storage.try_emplace(impl, std::move(recorded));
+  if (!inserted) {
+    deferred.released.push_back(std::move(it->second.lineage));
+    it->second = std::move(recorded);
+  }
 }
+
+void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred);
 
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   if (t_frames.empty()) return;  // started before the callback was added
@@ -318,6 +359,12 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
   RecorderState& s = state();
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  record_op_end(s, fn, frame, seconds, deferred);
+  deferred.run(s);
+}
+
+void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred) {
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
   frame.node->seconds = seconds;
   const OpInfo& info = *frame.info;
@@ -340,18 +387,18 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
     const bool aliased = r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr;
     const c10::IValue& value = outputs[r];
     if (value.isTensor()) {
-      if (!aliased) attach_output(s, frame.node, index, value.toTensor());
+      if (!aliased) attach_output(s, frame.node, index, value.toTensor(), deferred);
       ++index;
     } else if (value.isTensorList()) {
       for (const at::Tensor& t : value.toTensorList().vec()) {
-        if (!aliased) attach_output(s, frame.node, index, t);
+        if (!aliased) attach_output(s, frame.node, index, t, deferred);
         ++index;
       }
     } else {
       ++index;
     }
   }
-  for (const auto& [entry_id, tensor] : frame.packed) declare_packed(s, entry_id, tensor);
+  for (const auto& [entry_id, tensor] : frame.packed) declare_packed(s, entry_id, tensor, deferred);
 }
 
 // Note [Packed before recorded]: autograd saves an op's outputs (softmax's,
@@ -362,17 +409,21 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
-    for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
-      if (frame->node != nullptr) {
-        frame->packed.emplace_back(entry_id, tensor);
-        return;
+  Deferred deferred;
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
+      for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+        if (frame->node != nullptr) {
+          frame->packed.emplace_back(entry_id, tensor);
+          return;
+        }
       }
+      return;
     }
-    return;
+    declare_packed(s, entry_id, tensor, deferred);
   }
-  declare_packed(s, entry_id, tensor);
+  deferred.run(s);
 }
 
 }  // namespace

@@ -82,11 +82,28 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   return result;
 }
 
+// Replays without the recorder's lock (Note [Recorder lock and the GIL]): a
+// replay materialises its managed inputs, which releases and retakes the
+// GIL. What the recording thread may still change (a lineage's mutations,
+// versions and entry id) is read under the lock; the rest (producers, nodes'
+// arguments, held inputs) does not change once published.
 class Replayer {
  public:
+  explicit Replayer(RecorderState& s) : s_(s) {}
+
   at::Tensor rebuild(const std::shared_ptr<StorageLineage>& lineage, int64_t version) {
-    if (version > static_cast<int64_t>(lineage->mutations.size())) {
-      throw ReplayError("membudget: the lineage of a dropped activation was released; it cannot be recomputed");
+    std::vector<std::shared_ptr<OpNode>> writers;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s_.mutex);
+      if (version > static_cast<int64_t>(lineage->mutations.size())) {
+        throw ReplayError("membudget: the lineage of a dropped activation was released; it cannot be recomputed");
+      }
+      for (int64_t i = 0; i < version; ++i) {
+        writers.push_back(lineage->mutations[i].lock());
+        if (writers.back() == nullptr) {
+          throw ReplayError("membudget: an in-place op in the lineage of a dropped activation was released");
+        }
+      }
     }
     std::vector<at::Tensor> outputs = run(*lineage->producer);
     if (lineage->index >= static_cast<int64_t>(outputs.size()) || !outputs[lineage->index].defined()) {
@@ -98,13 +115,7 @@ class Replayer {
     std::optional<at::Tensor> saved;
     if (previous != overrides_.end()) saved = previous->second;
     overrides_[key] = base;
-    for (int64_t i = 0; i < version; ++i) {
-      std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
-      if (writer == nullptr) {
-        throw ReplayError("membudget: an in-place op in the lineage of a dropped activation was released");
-      }
-      run(*writer);
-    }
+    for (const std::shared_ptr<OpNode>& writer : writers) run(*writer);
     if (saved) {
       overrides_[key] = *saved;
     } else {
@@ -195,15 +206,24 @@ class Replayer {
     const std::shared_ptr<StorageLineage>& source = ref.lineage;
     auto override_it = overrides_.find(source.get());
     if (override_it != overrides_.end()) return override_it->second;
-    if (ref.version == static_cast<int64_t>(source->mutations.size())) {
-      if (source->entry_id != 0) {
-        at::Tensor resident = entry_storage(source->entry_id);
+    bool current = false;
+    uint64_t entry_id = 0;
+    int64_t last_version = 0;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s_.mutex);
+      current = ref.version == static_cast<int64_t>(source->mutations.size());
+      entry_id = source->entry_id;
+      last_version = source->versions.back();
+    }
+    if (current) {
+      if (entry_id != 0) {
+        at::Tensor resident = entry_storage(entry_id);
         if (resident.defined()) return resident;
       }
       c10::intrusive_ptr<c10::TensorImpl> alive = source->base.lock();
       if (alive) {
         at::Tensor tensor(std::move(alive));
-        if (static_cast<int64_t>(tensor._version()) == source->versions.back()) return tensor;
+        if (static_cast<int64_t>(tensor._version()) == last_version) return tensor;
       }
     }
     return rebuild(source, ref.version);
@@ -223,19 +243,25 @@ class Replayer {
     return holder.as_strided(ref.sizes, ref.strides, ref.offset);
   }
 
+  RecorderState& s_;
   std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
 };
 
 at::Tensor rebuild_entry(uint64_t entry_id) {
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  auto it = s.by_entry.find(entry_id);
-  if (it == s.by_entry.end()) {
-    throw ReplayError("membudget: no lineage recorded for dropped activation " + std::to_string(entry_id));
+  std::shared_ptr<StorageLineage> lineage;
+  int64_t version = 0;
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    auto it = s.by_entry.find(entry_id);
+    if (it == s.by_entry.end()) {
+      throw ReplayError("membudget: no lineage recorded for dropped activation " + std::to_string(entry_id));
+    }
+    lineage = it->second;
+    version = static_cast<int64_t>(lineage->mutations.size());
   }
-  std::shared_ptr<StorageLineage> lineage = it->second;
   PauseRecording paused;
-  return Replayer().rebuild(lineage, static_cast<int64_t>(lineage->mutations.size()));
+  return Replayer(s).rebuild(lineage, version);
 }
 
 }  // namespace
@@ -266,7 +292,7 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
   return result;
 }
 
-void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor) {
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred) {
   auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
   if (it == s.by_storage.end()) return;
   std::shared_ptr<StorageLineage> lineage = it->second.lineage;
@@ -282,19 +308,21 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
   if (result->ok && s.plan != nullptr) {
     std::string name = lineage->producer->info->name;
     name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
-    py::gil_scoped_acquire gil;
-    (*s.plan)(entry_id, lineage->producer->index, name, lineage->index);
+    deferred.plan_queries.push_back({entry_id, lineage->producer->index, std::move(name), lineage->index});
   }
 }
 
 void rescue_dependents_of(RecorderState& s, uintptr_t key) {
   std::vector<uint64_t> rescued;
-  for (const auto& [entry_id, lineage] : s.by_entry) {
-    const size_t version = lineage->mutations.size();
-    if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
-    const Closure& memo = *lineage->memo[version];
-    if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
-      rescued.push_back(entry_id);
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    for (const auto& [entry_id, lineage] : s.by_entry) {
+      const size_t version = lineage->mutations.size();
+      if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
+      const Closure& memo = *lineage->memo[version];
+      if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
+        rescued.push_back(entry_id);
+      }
     }
   }
   if (rescued.empty()) return;
@@ -303,6 +331,26 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
     entry_storage(entry_id);
     set_entry_recompute_info(entry_id, false, 0.0, {});
   }
+}
+
+void Deferred::run(RecorderState& s) {
+  for (uintptr_t key : rescues) rescue_dependents_of(s, key);
+  rescues.clear();
+  if (!plan_queries.empty()) {
+    py::gil_scoped_acquire gil;
+    py::object plan;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s.mutex);  // GIL, then the lock: the order of every binding
+      if (s.plan != nullptr) plan = *s.plan;
+    }
+    if (plan) {
+      for (const PlanQuery& query : plan_queries) {
+        plan(query.entry_id, query.op_index, query.op_name, query.output_index);
+      }
+    }
+    plan_queries.clear();
+  }
+  released.clear();
 }
 
 void redeclare_entries(RecorderState& s) {
