@@ -92,6 +92,10 @@ struct Frame {
   c10::SmallVector<std::pair<std::shared_ptr<StorageLineage>, at::Tensor>, 2> writes;
   // Outputs autograd saved before the op returned (Note [Packed before recorded]).
   std::vector<std::pair<uint64_t, at::Tensor>> packed;
+  // The arguments, kept for the roofline (Note [Roofline floor on CUDA]) when
+  // it is on: a boxed call's RecordFunction inputs view its stack, which
+  // holds the outputs by the time the op ends.
+  std::vector<c10::IValue> inputs;
 };
 
 thread_local std::optional<at::CallbackHandle> t_handle;
@@ -328,6 +332,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
       Frame& frame = t_frames[slot];
       frame.node = std::move(node);
       frame.info = info;
+      if (s.roofline) frame.inputs.assign(inputs.begin(), inputs.end());
     }
   }
   deferred.run(s);
@@ -366,8 +371,12 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
 
 void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred) {
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  frame.node->seconds = seconds;
   const OpInfo& info = *frame.info;
+  if (s.roofline) {
+    // Asynchronous device: the timer saw the launch only.
+    seconds = std::max(seconds, roofline_seconds(*s.roofline, info, frame.inputs, fn.outputs()));
+  }
+  frame.node->seconds = seconds;
   if (!frame.writes.empty()) {
     if (s.writers.empty() || s.writers.back().first != s.forward) {
       s.writers.push_back({s.forward, {}});
@@ -520,6 +529,26 @@ void bind_lineage(pybind11::module_& m) {
   sub.def("on_pack", &on_pack, py::arg("entry_id"), py::arg("tensor"),
           "A storage was packed as entry_id: declares its lineage to the manager (now, or when the op that "
           "made it returns).");
+  sub.def("set_device_model", [](py::object model) {
+    RecorderState& s = state();
+    std::optional<RooflineModel> roofline;
+    if (!model.is_none()) {
+      py::dict rates = model["flops_per_s"];
+      RooflineModel m;
+      m.fp32_flops_per_s = rates["fp32"].cast<double>();
+      auto rate = [&](const char* key) { return rates.contains(key) ? rates[key].cast<double>() : m.fp32_flops_per_s; };
+      m.bf16_flops_per_s = rate("bf16");
+      m.fp16_flops_per_s = rate("fp16");
+      m.fp64_flops_per_s = rate("fp64");
+      m.int_flops_per_s = rate("int");
+      m.memory_bytes_per_s = model["memory_bytes_per_s"].cast<double>();
+      m.launch_s = model["launch_s"].cast<double>();
+      roofline = m;
+    }
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.roofline = roofline;
+  }, py::arg("model"), "A costs.DeviceModel.to_dict() whose roofline floors every recorded op's cost "
+     "(Note [Roofline floor on CUDA]), or None.");
   sub.def("set_plan", [](py::object plan) {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

@@ -18,6 +18,23 @@
 namespace membudget {
 namespace lineage {
 
+// A device model's rates (python/membudget/costs.py's DeviceModel), for the
+// roofline floor on recorded costs (Note [Roofline floor on CUDA]).
+struct RooflineModel {
+  double fp32_flops_per_s = 1.0;
+  double bf16_flops_per_s = 1.0;
+  double fp16_flops_per_s = 1.0;
+  double fp64_flops_per_s = 1.0;
+  double int_flops_per_s = 1.0;
+  double memory_bytes_per_s = 1.0;
+  double launch_s = 0.0;
+  double flop_rate(at::ScalarType dtype) const;
+};
+
+// Modelled seconds of one op call on `model` (lineage_roofline.cpp).
+double roofline_seconds(const RooflineModel& model, const OpInfo& info, const std::vector<c10::IValue>& inputs,
+                        const std::vector<c10::IValue>& outputs);
+
 // Everything the recorder knows; one per process. Recording happens on the
 // thread that called start(); pack, unpack and replays may come from other
 // threads (CUDA backward), so public entry points take mutex.
@@ -40,6 +57,8 @@ struct RecorderState {
   // plan(entry_id, producer index, producer name, output index): a static
   // plan's pack-time drop (Python; called with the GIL), or null.
   std::unique_ptr<pybind11::object> plan;
+  // Set on CUDA: a recorded op costs at least its roofline (Note [Roofline floor on CUDA]).
+  std::optional<RooflineModel> roofline;
   bool tracing = false;             // tests: keep the name of every recorded node
   std::vector<std::string> trace;
 };

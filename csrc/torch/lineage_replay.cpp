@@ -371,9 +371,10 @@ void bind_lineage_replay(py::module_& m) {
     if (it == s.by_storage.end()) return py::none();
     const StorageLineage& lineage = *it->second.lineage;
     return py::make_tuple(lineage.producer->info->name, lineage.producer->index, lineage.index, lineage.versions,
-                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size());
-  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations) of a tensor's "
-     "storage lineage, or None (tests and debugging).");
+                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size(),
+                          lineage.producer->seconds);
+  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations, producer "
+     "seconds) of a tensor's storage lineage, or None (tests and debugging).");
   m.def("rebuild", &rebuild_entry, py::arg("entry_id"),
         "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot).");
 }

@@ -205,7 +205,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     from .replay import rebuild_entry, rebuild_entry_on_stream
 
     if config.lineage == "cxx":
-        _push_native_recorder(native, plan)
+        _push_native_recorder(native, plan, device)
         return
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
@@ -240,7 +240,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _wrap_autograd_entry_points()
 
 
-def _push_native_recorder(native, plan) -> None:
+def _push_native_recorder(native, plan, device: torch.device) -> None:
     """The hooks with the C++ recorder (``MEMBUDGET_LINEAGE=cxx``,
     :mod:`membudget.lineage_native`). Its callback is switched off for
     ``backward()`` and ``autograd.grad()`` as the mode is popped (their ops
@@ -252,7 +252,7 @@ def _push_native_recorder(native, plan) -> None:
     from .lineage import hide_from_dynamo
     from .lineage_native import NativeLineage
 
-    lineage = NativeLineage(native, plan)
+    lineage = NativeLineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
     on_pack, note_unpack = native.lineage.on_pack, native.lineage.note_backward

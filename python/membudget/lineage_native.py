@@ -23,10 +23,13 @@ __all__ = ["NativeLineage"]
 class NativeLineage:
     """Records forward ops in C++ for one install; see the module docstring."""
 
-    def __init__(self, native, plan=None):
+    def __init__(self, native, plan=None, device_model=None):
         self.native = native
         self.recorder = native.lineage
         self.plan = plan
+        # For CUDA: a costs.DeviceModel whose roofline floors each recorded
+        # op's cost (Note [Roofline floor on CUDA] in lineage_roofline.cpp).
+        self.device_model = device_model
         self._suspended = 0  # nesting of without_recording (autograd.grad inside backward hooks)
 
     def start(self) -> None:
@@ -41,12 +44,14 @@ class NativeLineage:
             self.recorder.set_plan(drop_if_planned)
         else:
             self.recorder.set_plan(None)
+        self.recorder.set_device_model(self.device_model.to_dict() if self.device_model is not None else None)
         self.recorder.start()
 
     def stop(self) -> None:
         """Stops recording on the calling thread."""
         self.recorder.stop()
         self.recorder.set_plan(None)
+        self.recorder.set_device_model(None)
 
     def without_recording(self, function, args, kwargs):
         """``function(*args, **kwargs)`` with this thread's callback off
