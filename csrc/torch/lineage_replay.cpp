@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "torch/lineage_recorder.h"
@@ -89,7 +90,10 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
 // arguments, held inputs) does not change once published.
 class Replayer {
  public:
-  explicit Replayer(RecorderState& s) : s_(s) {}
+  // record_on: a CUDA side stream the replay runs on (Note [Recompute
+  // ahead]): inputs it reads from managed entries and live tensors are
+  // recorded on it, so that their blocks are not reused before it has run.
+  Replayer(RecorderState& s, std::optional<c10::Stream> record_on) : s_(s), record_on_(record_on) {}
 
   at::Tensor rebuild(const std::shared_ptr<StorageLineage>& lineage, int64_t version) {
     std::vector<std::shared_ptr<OpNode>> writers;
@@ -218,12 +222,12 @@ class Replayer {
     if (current) {
       if (entry_id != 0) {
         at::Tensor resident = entry_storage(entry_id);
-        if (resident.defined()) return resident;
+        if (resident.defined()) return recorded_on_side_stream(resident);
       }
       c10::intrusive_ptr<c10::TensorImpl> alive = source->base.lock();
       if (alive) {
         at::Tensor tensor(std::move(alive));
-        if (static_cast<int64_t>(tensor._version()) == last_version) return tensor;
+        if (static_cast<int64_t>(tensor._version()) == last_version) return recorded_on_side_stream(tensor);
       }
     }
     return rebuild(source, ref.version);
@@ -243,11 +247,17 @@ class Replayer {
     return holder.as_strided(ref.sizes, ref.strides, ref.offset);
   }
 
+  at::Tensor recorded_on_side_stream(at::Tensor tensor) const {
+    if (record_on_ && tensor.device().type() == record_on_->device_type()) tensor.record_stream(*record_on_);
+    return tensor;
+  }
+
   RecorderState& s_;
+  std::optional<c10::Stream> record_on_;
   std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
 };
 
-at::Tensor rebuild_entry(uint64_t entry_id) {
+at::Tensor rebuild_entry(uint64_t entry_id, std::optional<std::tuple<int64_t, int64_t, int64_t>> stream) {
   RecorderState& s = state();
   std::shared_ptr<StorageLineage> lineage;
   int64_t version = 0;
@@ -260,8 +270,14 @@ at::Tensor rebuild_entry(uint64_t entry_id) {
     lineage = it->second;
     version = static_cast<int64_t>(lineage->mutations.size());
   }
+  std::optional<c10::Stream> record_on;
+  if (stream) {
+    const auto& [stream_id, device_index, device_type] = *stream;
+    record_on = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                     static_cast<c10::DeviceType>(device_type));
+  }
   PauseRecording paused;
-  return Replayer(s).rebuild(lineage, version);
+  return Replayer(s, record_on).rebuild(lineage, version);
 }
 
 }  // namespace
@@ -375,8 +391,10 @@ void bind_lineage_replay(py::module_& m) {
                           lineage.producer->seconds);
   }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations, producer "
      "seconds) of a tensor's storage lineage, or None (tests and debugging).");
-  m.def("rebuild", &rebuild_entry, py::arg("entry_id"),
-        "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot).");
+  m.def("rebuild", &rebuild_entry, py::arg("entry_id"), py::arg("stream") = py::none(),
+        "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot). "
+        "stream: (stream_id, device_index, device_type) of the side stream a replay ahead runs on, whose "
+        "inputs are recorded on it; or None.");
 }
 
 }  // namespace lineage

@@ -267,9 +267,13 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
         note_unpack()
         return native_unpack(handle)
 
+    side_stream = []  # the CUDA side stream of replays ahead, made on first use
+
     def recompute(entry_id, ahead=False):
-        # A replay ahead (Note [Recompute ahead]) runs here on the current
-        # stream: this recorder has no side-stream replay yet.
+        if ahead and device.type == "cuda":  # Note [Recompute ahead]
+            if not side_stream:
+                side_stream.append(torch.cuda.Stream(device))
+            return lineage.rebuild_on_stream(entry_id, side_stream[0])
         return lineage.rebuild(entry_id)
 
     for function in (pack, unpack, recompute):
