@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .config import Config, resolve_recompute_ahead
+from .config import Config, resolve_lineage, resolve_recompute_ahead
 from ._native import load_extension
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -127,8 +127,9 @@ def install(
     (docs/recompute.md, "Recompute ahead"); ``"auto"`` turns it on where the
     benchmarks showed it pays (:func:`membudget.config.resolve_recompute_ahead`).
     ``lineage`` picks the recorder of forward ops when recomputation is
-    allowed: ``"python"`` (a dispatch mode, the reference) or ``"cxx"`` (the
-    C++ recorder); default ``MEMBUDGET_LINEAGE``.
+    allowed: ``"python"`` (a dispatch mode, the reference), ``"cxx"`` (the
+    C++ recorder) or ``"auto"`` (C++ on the CPU, Python on CUDA:
+    :func:`membudget.config.resolve_lineage`); default ``MEMBUDGET_LINEAGE``.
 
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
@@ -204,7 +205,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     from .lineage import Lineage, LineageMode, hide_from_dynamo
     from .replay import rebuild_entry, rebuild_entry_on_stream
 
-    if config.lineage == "cxx":
+    if resolve_lineage(config.lineage, device.type) == "cxx":
         _push_native_recorder(native, plan, device)
         return
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
