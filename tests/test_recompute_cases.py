@@ -144,14 +144,20 @@ def test_model_using_torch_checkpoint(reentrant):
     _check(lambda: _Checkpointed(reentrant))
 
 
-def test_input_written_in_place_after_forward_is_rescued():
+@pytest.mark.parametrize("actions", ["both", "recompute"])
+def test_input_written_in_place_after_forward_is_rescued(actions):
     # tanh's saved output depends on x; x is then overwritten in place (a
     # recorded op): the output is rebuilt before the write lands and is
     # swap-only from then on, so backward still sees the original values.
+    # Recompute-only, the output is dropped for sure, so the rescue replays
+    # it (Note [Rescue before the write] in lineage.py).
     def run(model, x, evict):
-        x = x.clone()
+        with torch.no_grad():
+            x = x.clone()                  # made where lineage does not record: a held input
         h = model(x * 2)
         loss = h.square().mean()
+        if evict:
+            _evict_everything()            # dropped before the write: the rescue replays them
         x.add_(1.0)
         if evict:
             _evict_everything()
@@ -160,7 +166,7 @@ def test_input_written_in_place_after_forward_is_rescued():
 
     build = lambda: nn.Sequential(nn.Linear(64, 64), nn.Tanh())
     plain = _grads(build, run)
-    managed = _grads(build, run, evict=True, actions="both")
+    managed = _grads(build, run, evict=True, actions=actions)
     assert torch.equal(plain[0], managed[0])
     for name in plain[1]:
         assert torch.equal(plain[1][name], managed[1][name]), name
