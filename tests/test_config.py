@@ -19,6 +19,7 @@ from membudget.config import (
     parse_value,
     physical_memory_bytes,
     resolve_budget,
+    resolve_lineage,
 )
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -213,11 +214,13 @@ def test_every_action_is_accepted(actions):
     assert config.records_lineage == (actions.lower() != "swap")
 
 
-def test_lineage_recorder_is_python_unless_told():
-    assert Config.from_env({}).lineage == "python"
+def test_lineage_recorder_is_cxx_on_the_cpu_and_python_on_cuda_unless_told():
+    assert Config.from_env({}).lineage == "auto"
+    assert resolve_lineage("auto", "cpu") == "cxx" and resolve_lineage("auto", "cuda") == "python"
+    assert resolve_lineage("python", "cpu") == "python" and resolve_lineage("cxx", "cuda") == "cxx"
     assert Config.from_env({"MEMBUDGET_LINEAGE": " CXX "}).lineage == "cxx"
     assert Config.from_env({"MEMBUDGET_LINEAGE": "cxx"}, lineage="python").lineage == "python"
-    with pytest.raises(ConfigError, match="MEMBUDGET_LINEAGE='rust' is not a lineage recorder: use python or cxx"):
+    with pytest.raises(ConfigError, match="MEMBUDGET_LINEAGE='rust' is not a lineage recorder: use auto, python or cxx"):
         Config.from_env({"MEMBUDGET_LINEAGE": "rust"})
 
 

@@ -323,7 +323,7 @@ DROPOUT_RECOMPUTE_AHEAD = """
 
 
 @requires_cuda
-def test_recompute_ahead_on_a_side_stream_is_exact():
+def test_recompute_ahead_on_a_side_stream_is_exact(lineage_recorder):
     """Note [Recompute ahead] on CUDA: 36 saved activations of 16-64 MiB
     (dropout included) trained under 768 MiB with recompute only. With
     recompute-ahead on, dropped activations are replayed on a side stream

@@ -171,3 +171,43 @@ def test_cxx_recorder_stops_with_uninstall():
     assert recorder.recording() and type(_runtime._lineage).__name__ == "NativeLineage"
     membudget.uninstall()
     assert not recorder.recording() and _runtime._lineage is None
+
+
+def test_roofline_floor_on_recorded_costs_matches_the_python_recorders():
+    # Note [Roofline floor on CUDA]: on CUDA both recorders price an op at
+    # least at the device model's roofline. A slow model makes the roofline
+    # dominate the measured CPU time here, so the recorded cost is the
+    # roofline alone and must equal costs.py's for the same call.
+    from membudget.costs import DeviceModel, op_bytes, op_category, op_flops, roofline_seconds
+
+    slow = DeviceModel(name="slow", memory_bytes=1 << 30,
+                       flops_per_s={"fp32": 1e4, "bf16": 2e4, "fp16": 2e4, "fp64": 5e3, "int": 1e4},
+                       memory_bytes_per_s=1e4, link_bytes_per_s=1e9, launch_s=1e-3)
+    recorder = _install_cxx()
+    with torch.no_grad():
+        a, b, bias = torch.randn(16, 32), torch.randn(32, 8), torch.randn(8)
+        p, q = torch.randn(4, 8, 16), torch.randn(4, 16, 8)
+        image, weight = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    aten = torch.ops.aten
+    cases = [
+        (aten.mm.default, (a, b)),
+        (aten.addmm.default, (bias, a, b)),
+        (aten.bmm.default, (p, q)),
+        (aten.convolution.default, (image, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+        (aten.convolution.default, (image, weight.transpose(0, 1), None, [2, 2], [1, 1], [1, 1], True, [1, 1], 1)),
+        (aten.tanh.default, (a,)),
+        (aten.mul.Tensor, (a.double(), 2.0)),
+        (aten.native_layer_norm.default, (a, [32], None, None, 1e-5)),
+    ]
+    recorder.set_device_model(slow.to_dict())
+    try:
+        for op, args in cases:
+            out = op(*args)
+            first = out[0] if isinstance(out, tuple) else out
+            expected = roofline_seconds(op_flops(op, args, {}, out), sum(op_bytes(args, {}, out)), slow,
+                                        out.dtype if isinstance(out, torch.Tensor) else None, op_category(op))
+            assert recorder.describe(first)[7] == pytest.approx(expected, rel=1e-9), op
+        recorder.set_device_model(None)
+        assert recorder.describe(aten.tanh.default(a))[7] < 1e-3  # measured: the CPU timer alone
+    finally:
+        recorder.set_device_model(None)

@@ -29,7 +29,26 @@
 // wrote into it weakly; those nodes are owned by the forward that recorded
 // them (RecorderState::writers) and released two forwards later. A lineage
 // whose writer is gone is truncated: its later versions are not replayable
-// (closure says so; the manager is told again for live entries).
+// (closure says so; the manager is told again for live entries), and a
+// later read of the storage holds it instead (Note [Held scratch and
+// long-lived storages]).
+//
+// Note [Recorder lock and the GIL]: the GIL is taken before the recorder's
+// lock, never after. Every binding (on_pack, rebuild, ops_recorded, ...) is
+// entered with the GIL held and then takes the lock; a thread that held the
+// lock and then waited for the GIL would deadlock against it. That happened:
+// the recording thread (in an op's callback, without the GIL) rescued the
+// entries reading an input about to be written in place, taking the GIL
+// under the lock, while another thread held the GIL and waited in a binding
+// for the lock (bench/stress_recorder_lock.py hung within seconds; a CUDA
+// backward thread replaying an entry is that other thread in practice). So
+// the callbacks collect under the lock what needs the GIL -- rescues, a
+// static plan's queries, and the references they drop (the last C++
+// reference to a tensor with a Python object takes the GIL when released) --
+// in a Deferred, and run it once the lock is released; and a replay holds
+// the lock only to read what recording may still change (Replayer in
+// lineage_replay.cpp), since materialising its inputs releases and retakes
+// the GIL.
 //
 // Storage lineage is keyed by StorageImpl (residency is per storage, and a
 // view shares its base's storage, so views need no bookkeeping at all). The
@@ -73,6 +92,10 @@ struct Frame {
   c10::SmallVector<std::pair<std::shared_ptr<StorageLineage>, at::Tensor>, 2> writes;
   // Outputs autograd saved before the op returned (Note [Packed before recorded]).
   std::vector<std::pair<uint64_t, at::Tensor>> packed;
+  // The arguments, kept for the roofline (Note [Roofline floor on CUDA]) when
+  // it is on: a boxed call's RecordFunction inputs view its stack, which
+  // holds the outputs by the time the op ends.
+  std::vector<c10::IValue> inputs;
 };
 
 thread_local std::optional<at::CallbackHandle> t_handle;
@@ -107,28 +130,61 @@ uintptr_t storage_address(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.storage().data());
 }
 
-void begin_forward(RecorderState& s) {
+void begin_forward(RecorderState& s, Deferred& deferred) {
   s.in_backward = false;
   s.op_index = 0;
   s.forward += 1;
+  for (auto& [impl, external] : s.externals) deferred.released.push_back(std::move(external));
   s.externals.clear();
   for (auto it = s.by_storage.begin(); it != s.by_storage.end();) {
-    it = it->second.storage.expired() ? s.by_storage.erase(it) : std::next(it);
+    if (!it->second.storage.expired()) {
+      ++it;
+      continue;
+    }
+    deferred.released.push_back(std::move(it->second.lineage));
+    it = s.by_storage.erase(it);
   }
   std::vector<uint64_t> live = live_entry_ids();
   std::unordered_set<uint64_t> live_set(live.begin(), live.end());
   for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
-    it = live_set.count(it->first) == 0 ? s.by_entry.erase(it) : std::next(it);
+    if (live_set.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    deferred.released.push_back(std::move(it->second));
+    it = s.by_entry.erase(it);
   }
   bool truncated = false;
   while (!s.writers.empty() && s.writers.front().first <= s.forward - kForwardsKept) {
     truncated = truncated || !s.writers.front().second.empty();
+    for (std::shared_ptr<OpNode>& writer : s.writers.front().second) deferred.released.push_back(std::move(writer));
     s.writers.erase(s.writers.begin());
   }
   if (truncated) {
     ++s.epoch;
     redeclare_entries(s);
   }
+}
+
+// Note [Held scratch and long-lived storages]: a storage that outlives the
+// forward that made it (batch norm's running statistics, a mask built once
+// with an in-place fill) keeps its lineage, but the writer nodes of that
+// forward are released two forwards later (Note [Lineage ownership]); read
+// through its lineage after that, it makes every closure that reaches it
+// unreplayable, and so every activation downstream swap-only. (Batch norm's
+// kernels update the running statistics without bumping their version
+// counter, so the version check never turns them into inputs held like
+// parameters, as other writes lineage does not see do; recompute-only CNN
+// runs then ran out of memory with most of their activations swap-only.) A
+// storage whose history is released is therefore read as a held input from
+// then on, its version checked at replay like any held input; and scratch
+// arguments are always held: a replay reads only a copy of their current
+// value, which no output depends on, so their history is never needed.
+bool history_released(const StorageLineage& lineage) {
+  for (const std::weak_ptr<OpNode>& writer : lineage.mutations) {
+    if (writer.expired()) return true;
+  }
+  return false;
 }
 
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
@@ -139,15 +195,18 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.offset = tensor.storage_offset();
   ref.dtype = tensor.scalar_type();
   ref.scratch = scratch;
-  if (tensor.has_storage()) {
+  if (tensor.has_storage() && !scratch) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
-    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back()) {
+    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back() &&
+        !history_released(*it->second.lineage)) {
       ref.lineage = it->second.lineage;
       ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
       return ref;
     }
-    // Not seen, or written where lineage could not see (no_grad code such as
-    // weight init, another thread): an input held like a parameter.
+    // Not seen, written where lineage could not see (no_grad code such as
+    // weight init, another thread), or its history released: an input held
+    // like a parameter. Scratch arguments are always held (Note [Held
+    // scratch and long-lived storages]).
   }
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
   if (held == nullptr) {
@@ -243,46 +302,59 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
   if (!all_plain(inputs)) return nullptr;  // tensor subclasses (fake, functional): not ours
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  if (s.in_backward) begin_forward(s);
-  ++s.op_index;
-  ++s.ops_recorded;
-  if (info->kind == OpKind::kView) {
-    if (s.tracing) s.trace.push_back("view " + info->name);
-    return nullptr;  // shares its source's storage lineage
-  }
-  auto node = std::make_shared<OpNode>();
-  node->info = info;
-  node->index = s.op_index - 1;
-  node->replayable = info->replayable;
-  capture_arguments(s, *info, inputs, *node);
-  if (s.tracing) s.trace.push_back(info->name);
-  if (info->random) capture_generator(*info, inputs, *node);
-  for (size_t position : info->writes) {
-    if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
-    const TensorRef& ref = node->refs[node->args[position].refs[0]];
-    if (ref.lineage != nullptr) {
-      t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (s.in_backward) begin_forward(s, deferred);
+    ++s.op_index;
+    ++s.ops_recorded;
+    if (info->kind == OpKind::kView) {
+      if (s.tracing) s.trace.push_back("view " + info->name);
     } else {
-      // A write to a tensor lineage did not produce: entries whose replay
-      // reads it are made resident now, before the write lands.
-      rescue_dependents_of(s, ref.external->key);
+      auto node = std::make_shared<OpNode>();
+      node->info = info;
+      node->index = s.op_index - 1;
+      node->replayable = info->replayable;
+      capture_arguments(s, *info, inputs, *node);
+      if (s.tracing) s.trace.push_back(info->name);
+      if (info->random) capture_generator(*info, inputs, *node);
+      for (size_t position : info->writes) {
+        if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
+        const TensorRef& ref = node->refs[node->args[position].refs[0]];
+        if (ref.lineage != nullptr) {
+          t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
+        } else {
+          // A write to a tensor lineage did not produce: entries whose replay
+          // reads it are made resident, before the write lands (below).
+          deferred.rescues.push_back(ref.external->key);
+        }
+      }
+      Frame& frame = t_frames[slot];
+      frame.node = std::move(node);
+      frame.info = info;
+      if (s.roofline) frame.inputs.assign(inputs.begin(), inputs.end());
     }
   }
-  Frame& frame = t_frames[slot];
-  frame.node = std::move(node);
-  frame.info = info;
-  frame.start = Clock::now();
+  deferred.run(s);
+  // After the rescues (which may replay): they are not this op's time.
+  t_frames[slot].start = Clock::now();
   return nullptr;
 }
 
-void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t) {
+void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t,
+                   Deferred& deferred) {
   if (!t.defined() || !t.has_storage() || !is_plain(t)) return;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
-  s.by_storage.insert_or_assign(
-      impl, RecorderState::Recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)});
+  RecorderState::Recorded recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)};
+  auto [it, inserted] = s.by_storage.try_emplace(impl, std::move(recorded));
+  if (!inserted) {
+    deferred.released.push_back(std::move(it->second.lineage));
+    it->second = std::move(recorded);
+  }
 }
+
+void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred);
 
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   if (t_frames.empty()) return;  // started before the callback was added
@@ -292,9 +364,19 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
   RecorderState& s = state();
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  record_op_end(s, fn, frame, seconds, deferred);
+  deferred.run(s);
+}
+
+void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred) {
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  frame.node->seconds = seconds;
   const OpInfo& info = *frame.info;
+  if (s.roofline) {
+    // Asynchronous device: the timer saw the launch only.
+    seconds = std::max(seconds, roofline_seconds(*s.roofline, info, frame.inputs, fn.outputs()));
+  }
+  frame.node->seconds = seconds;
   if (!frame.writes.empty()) {
     if (s.writers.empty() || s.writers.back().first != s.forward) {
       s.writers.push_back({s.forward, {}});
@@ -314,18 +396,18 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
     const bool aliased = r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr;
     const c10::IValue& value = outputs[r];
     if (value.isTensor()) {
-      if (!aliased) attach_output(s, frame.node, index, value.toTensor());
+      if (!aliased) attach_output(s, frame.node, index, value.toTensor(), deferred);
       ++index;
     } else if (value.isTensorList()) {
       for (const at::Tensor& t : value.toTensorList().vec()) {
-        if (!aliased) attach_output(s, frame.node, index, t);
+        if (!aliased) attach_output(s, frame.node, index, t, deferred);
         ++index;
       }
     } else {
       ++index;
     }
   }
-  for (const auto& [entry_id, tensor] : frame.packed) declare_packed(s, entry_id, tensor);
+  for (const auto& [entry_id, tensor] : frame.packed) declare_packed(s, entry_id, tensor, deferred);
 }
 
 // Note [Packed before recorded]: autograd saves an op's outputs (softmax's,
@@ -336,17 +418,21 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
-    for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
-      if (frame->node != nullptr) {
-        frame->packed.emplace_back(entry_id, tensor);
-        return;
+  Deferred deferred;
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
+      for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+        if (frame->node != nullptr) {
+          frame->packed.emplace_back(entry_id, tensor);
+          return;
+        }
       }
+      return;
     }
-    return;
+    declare_packed(s, entry_id, tensor, deferred);
   }
-  declare_packed(s, entry_id, tensor);
+  deferred.run(s);
 }
 
 }  // namespace
@@ -443,6 +529,26 @@ void bind_lineage(pybind11::module_& m) {
   sub.def("on_pack", &on_pack, py::arg("entry_id"), py::arg("tensor"),
           "A storage was packed as entry_id: declares its lineage to the manager (now, or when the op that "
           "made it returns).");
+  sub.def("set_device_model", [](py::object model) {
+    RecorderState& s = state();
+    std::optional<RooflineModel> roofline;
+    if (!model.is_none()) {
+      py::dict rates = model["flops_per_s"];
+      RooflineModel m;
+      m.fp32_flops_per_s = rates["fp32"].cast<double>();
+      auto rate = [&](const char* key) { return rates.contains(key) ? rates[key].cast<double>() : m.fp32_flops_per_s; };
+      m.bf16_flops_per_s = rate("bf16");
+      m.fp16_flops_per_s = rate("fp16");
+      m.fp64_flops_per_s = rate("fp64");
+      m.int_flops_per_s = rate("int");
+      m.memory_bytes_per_s = model["memory_bytes_per_s"].cast<double>();
+      m.launch_s = model["launch_s"].cast<double>();
+      roofline = m;
+    }
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.roofline = roofline;
+  }, py::arg("model"), "A costs.DeviceModel.to_dict() whose roofline floors every recorded op's cost "
+     "(Note [Roofline floor on CUDA]), or None.");
   sub.def("set_plan", [](py::object plan) {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

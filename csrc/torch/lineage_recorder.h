@@ -18,6 +18,23 @@
 namespace membudget {
 namespace lineage {
 
+// A device model's rates (python/membudget/costs.py's DeviceModel), for the
+// roofline floor on recorded costs (Note [Roofline floor on CUDA]).
+struct RooflineModel {
+  double fp32_flops_per_s = 1.0;
+  double bf16_flops_per_s = 1.0;
+  double fp16_flops_per_s = 1.0;
+  double fp64_flops_per_s = 1.0;
+  double int_flops_per_s = 1.0;
+  double memory_bytes_per_s = 1.0;
+  double launch_s = 0.0;
+  double flop_rate(at::ScalarType dtype) const;
+};
+
+// Modelled seconds of one op call on `model` (lineage_roofline.cpp).
+double roofline_seconds(const RooflineModel& model, const OpInfo& info, const std::vector<c10::IValue>& inputs,
+                        const std::vector<c10::IValue>& outputs);
+
 // Everything the recorder knows; one per process. Recording happens on the
 // thread that called start(); pack, unpack and replays may come from other
 // threads (CUDA backward), so public entry points take mutex.
@@ -40,11 +57,35 @@ struct RecorderState {
   // plan(entry_id, producer index, producer name, output index): a static
   // plan's pack-time drop (Python; called with the GIL), or null.
   std::unique_ptr<pybind11::object> plan;
+  // Set on CUDA: a recorded op costs at least its roofline (Note [Roofline floor on CUDA]).
+  std::optional<RooflineModel> roofline;
   bool tracing = false;             // tests: keep the name of every recorded node
   std::vector<std::string> trace;
 };
 
 RecorderState& state();
+
+// A static plan's question about one recomputable pack (RecorderState::plan).
+struct PlanQuery {
+  uint64_t entry_id = 0;
+  int64_t op_index = 0;
+  std::string op_name;
+  int64_t output_index = 0;
+};
+
+// Work found under the recorder's lock that must wait until it is released
+// (Note [Recorder lock and the GIL]): rescues and plan queries take the GIL,
+// and dropping what the recorder held may release the last C++ reference to
+// a tensor with a Python object, whose destruction takes the GIL too.
+// Declare it before the lock guard; call run() after the guard's scope.
+struct Deferred {
+  std::vector<uintptr_t> rescues;        // external storages about to be written
+  std::vector<PlanQuery> plan_queries;
+  std::vector<std::shared_ptr<void>> released;
+  // Runs the rescues and plan queries and lets go of what was released. The
+  // calling thread must not hold the recorder's lock.
+  void run(RecorderState& s);
+};
 
 // The recorder's decision for the operator a RecordFunction is about
 // (lineage_ops.cpp), or null when it is not an operator call. Recording
@@ -55,10 +96,12 @@ const OpInfo* lookup_info(const at::RecordFunction& fn);
 std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
                                        int64_t version, bool top, int depth);
 // A storage was packed as entry_id: declares to the manager whether and at
-// what cost its lineage can rebuild it (lineage.py's Lineage.on_pack).
-void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor);
+// what cost its lineage can rebuild it (lineage.py's Lineage.on_pack); the
+// plan, if any, is asked later (deferred). Holds the lock.
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred);
 // Makes every managed entry whose replay reads the external storage `key`
-// resident and swap-only (replay.py's rescue_dependents_of).
+// resident and swap-only (replay.py's rescue_dependents_of). Takes the lock,
+// then the GIL once the lock is released: call it without the lock.
 void rescue_dependents_of(RecorderState& s, uintptr_t key);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);

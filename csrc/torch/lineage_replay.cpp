@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "torch/lineage_recorder.h"
@@ -82,11 +83,31 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   return result;
 }
 
+// Replays without the recorder's lock (Note [Recorder lock and the GIL]): a
+// replay materialises its managed inputs, which releases and retakes the
+// GIL. What the recording thread may still change (a lineage's mutations,
+// versions and entry id) is read under the lock; the rest (producers, nodes'
+// arguments, held inputs) does not change once published.
 class Replayer {
  public:
+  // record_on: a CUDA side stream the replay runs on (Note [Recompute
+  // ahead]): inputs it reads from managed entries and live tensors are
+  // recorded on it, so that their blocks are not reused before it has run.
+  Replayer(RecorderState& s, std::optional<c10::Stream> record_on) : s_(s), record_on_(record_on) {}
+
   at::Tensor rebuild(const std::shared_ptr<StorageLineage>& lineage, int64_t version) {
-    if (version > static_cast<int64_t>(lineage->mutations.size())) {
-      throw ReplayError("membudget: the lineage of a dropped activation was released; it cannot be recomputed");
+    std::vector<std::shared_ptr<OpNode>> writers;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s_.mutex);
+      if (version > static_cast<int64_t>(lineage->mutations.size())) {
+        throw ReplayError("membudget: the lineage of a dropped activation was released; it cannot be recomputed");
+      }
+      for (int64_t i = 0; i < version; ++i) {
+        writers.push_back(lineage->mutations[i].lock());
+        if (writers.back() == nullptr) {
+          throw ReplayError("membudget: an in-place op in the lineage of a dropped activation was released");
+        }
+      }
     }
     std::vector<at::Tensor> outputs = run(*lineage->producer);
     if (lineage->index >= static_cast<int64_t>(outputs.size()) || !outputs[lineage->index].defined()) {
@@ -98,13 +119,7 @@ class Replayer {
     std::optional<at::Tensor> saved;
     if (previous != overrides_.end()) saved = previous->second;
     overrides_[key] = base;
-    for (int64_t i = 0; i < version; ++i) {
-      std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
-      if (writer == nullptr) {
-        throw ReplayError("membudget: an in-place op in the lineage of a dropped activation was released");
-      }
-      run(*writer);
-    }
+    for (const std::shared_ptr<OpNode>& writer : writers) run(*writer);
     if (saved) {
       overrides_[key] = *saved;
     } else {
@@ -195,15 +210,24 @@ class Replayer {
     const std::shared_ptr<StorageLineage>& source = ref.lineage;
     auto override_it = overrides_.find(source.get());
     if (override_it != overrides_.end()) return override_it->second;
-    if (ref.version == static_cast<int64_t>(source->mutations.size())) {
-      if (source->entry_id != 0) {
-        at::Tensor resident = entry_storage(source->entry_id);
-        if (resident.defined()) return resident;
+    bool current = false;
+    uint64_t entry_id = 0;
+    int64_t last_version = 0;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s_.mutex);
+      current = ref.version == static_cast<int64_t>(source->mutations.size());
+      entry_id = source->entry_id;
+      last_version = source->versions.back();
+    }
+    if (current) {
+      if (entry_id != 0) {
+        at::Tensor resident = entry_storage(entry_id);
+        if (resident.defined()) return recorded_on_side_stream(resident);
       }
       c10::intrusive_ptr<c10::TensorImpl> alive = source->base.lock();
       if (alive) {
         at::Tensor tensor(std::move(alive));
-        if (static_cast<int64_t>(tensor._version()) == source->versions.back()) return tensor;
+        if (static_cast<int64_t>(tensor._version()) == last_version) return recorded_on_side_stream(tensor);
       }
     }
     return rebuild(source, ref.version);
@@ -223,19 +247,37 @@ class Replayer {
     return holder.as_strided(ref.sizes, ref.strides, ref.offset);
   }
 
+  at::Tensor recorded_on_side_stream(at::Tensor tensor) const {
+    if (record_on_ && tensor.device().type() == record_on_->device_type()) tensor.record_stream(*record_on_);
+    return tensor;
+  }
+
+  RecorderState& s_;
+  std::optional<c10::Stream> record_on_;
   std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
 };
 
-at::Tensor rebuild_entry(uint64_t entry_id) {
+at::Tensor rebuild_entry(uint64_t entry_id, std::optional<std::tuple<int64_t, int64_t, int64_t>> stream) {
   RecorderState& s = state();
-  std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  auto it = s.by_entry.find(entry_id);
-  if (it == s.by_entry.end()) {
-    throw ReplayError("membudget: no lineage recorded for dropped activation " + std::to_string(entry_id));
+  std::shared_ptr<StorageLineage> lineage;
+  int64_t version = 0;
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    auto it = s.by_entry.find(entry_id);
+    if (it == s.by_entry.end()) {
+      throw ReplayError("membudget: no lineage recorded for dropped activation " + std::to_string(entry_id));
+    }
+    lineage = it->second;
+    version = static_cast<int64_t>(lineage->mutations.size());
   }
-  std::shared_ptr<StorageLineage> lineage = it->second;
+  std::optional<c10::Stream> record_on;
+  if (stream) {
+    const auto& [stream_id, device_index, device_type] = *stream;
+    record_on = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                     static_cast<c10::DeviceType>(device_type));
+  }
   PauseRecording paused;
-  return Replayer().rebuild(lineage, static_cast<int64_t>(lineage->mutations.size()));
+  return Replayer(s, record_on).rebuild(lineage, version);
 }
 
 }  // namespace
@@ -266,7 +308,7 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
   return result;
 }
 
-void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor) {
+void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred) {
   auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
   if (it == s.by_storage.end()) return;
   std::shared_ptr<StorageLineage> lineage = it->second.lineage;
@@ -282,19 +324,21 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
   if (result->ok && s.plan != nullptr) {
     std::string name = lineage->producer->info->name;
     name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
-    py::gil_scoped_acquire gil;
-    (*s.plan)(entry_id, lineage->producer->index, name, lineage->index);
+    deferred.plan_queries.push_back({entry_id, lineage->producer->index, std::move(name), lineage->index});
   }
 }
 
 void rescue_dependents_of(RecorderState& s, uintptr_t key) {
   std::vector<uint64_t> rescued;
-  for (const auto& [entry_id, lineage] : s.by_entry) {
-    const size_t version = lineage->mutations.size();
-    if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
-    const Closure& memo = *lineage->memo[version];
-    if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
-      rescued.push_back(entry_id);
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    for (const auto& [entry_id, lineage] : s.by_entry) {
+      const size_t version = lineage->mutations.size();
+      if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
+      const Closure& memo = *lineage->memo[version];
+      if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
+        rescued.push_back(entry_id);
+      }
     }
   }
   if (rescued.empty()) return;
@@ -303,6 +347,26 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
     entry_storage(entry_id);
     set_entry_recompute_info(entry_id, false, 0.0, {});
   }
+}
+
+void Deferred::run(RecorderState& s) {
+  for (uintptr_t key : rescues) rescue_dependents_of(s, key);
+  rescues.clear();
+  if (!plan_queries.empty()) {
+    py::gil_scoped_acquire gil;
+    py::object plan;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s.mutex);  // GIL, then the lock: the order of every binding
+      if (s.plan != nullptr) plan = *s.plan;
+    }
+    if (plan) {
+      for (const PlanQuery& query : plan_queries) {
+        plan(query.entry_id, query.op_index, query.op_name, query.output_index);
+      }
+    }
+    plan_queries.clear();
+  }
+  released.clear();
 }
 
 void redeclare_entries(RecorderState& s) {
@@ -323,11 +387,14 @@ void bind_lineage_replay(py::module_& m) {
     if (it == s.by_storage.end()) return py::none();
     const StorageLineage& lineage = *it->second.lineage;
     return py::make_tuple(lineage.producer->info->name, lineage.producer->index, lineage.index, lineage.versions,
-                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size());
-  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations) of a tensor's "
-     "storage lineage, or None (tests and debugging).");
-  m.def("rebuild", &rebuild_entry, py::arg("entry_id"),
-        "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot).");
+                          static_cast<int64_t>(tensor._version()), lineage.entry_id, lineage.mutations.size(),
+                          lineage.producer->seconds);
+  }, py::arg("tensor"), "(producer, index, output, versions, tensor version, entry id, mutations, producer "
+     "seconds) of a tensor's storage lineage, or None (tests and debugging).");
+  m.def("rebuild", &rebuild_entry, py::arg("entry_id"), py::arg("stream") = py::none(),
+        "Replays a dropped entry's storage; returns a tensor on the rebuilt storage (ReplayError if it cannot). "
+        "stream: (stream_id, device_index, device_type) of the side stream a replay ahead runs on, whose "
+        "inputs are recorded on it; or None.");
 }
 
 }  // namespace lineage

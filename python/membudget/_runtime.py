@@ -51,7 +51,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .config import Config, resolve_recompute_ahead
+from .config import Config, resolve_lineage, resolve_recompute_ahead
 from ._native import load_extension
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -127,8 +127,9 @@ def install(
     (docs/recompute.md, "Recompute ahead"); ``"auto"`` turns it on where the
     benchmarks showed it pays (:func:`membudget.config.resolve_recompute_ahead`).
     ``lineage`` picks the recorder of forward ops when recomputation is
-    allowed: ``"python"`` (a dispatch mode, the reference) or ``"cxx"`` (the
-    C++ recorder); default ``MEMBUDGET_LINEAGE``.
+    allowed: ``"python"`` (a dispatch mode, the reference), ``"cxx"`` (the
+    C++ recorder) or ``"auto"`` (C++ on the CPU, Python on CUDA:
+    :func:`membudget.config.resolve_lineage`); default ``MEMBUDGET_LINEAGE``.
 
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
@@ -204,8 +205,8 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     from .lineage import Lineage, LineageMode, hide_from_dynamo
     from .replay import rebuild_entry, rebuild_entry_on_stream
 
-    if config.lineage == "cxx":
-        _push_native_recorder(native, plan)
+    if resolve_lineage(config.lineage, device.type) == "cxx":
+        _push_native_recorder(native, plan, device)
         return
     lineage = Lineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
@@ -240,7 +241,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _wrap_autograd_entry_points()
 
 
-def _push_native_recorder(native, plan) -> None:
+def _push_native_recorder(native, plan, device: torch.device) -> None:
     """The hooks with the C++ recorder (``MEMBUDGET_LINEAGE=cxx``,
     :mod:`membudget.lineage_native`). Its callback is switched off for
     ``backward()`` and ``autograd.grad()`` as the mode is popped (their ops
@@ -252,7 +253,7 @@ def _push_native_recorder(native, plan) -> None:
     from .lineage import hide_from_dynamo
     from .lineage_native import NativeLineage
 
-    lineage = NativeLineage(native, plan)
+    lineage = NativeLineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
     on_pack, note_unpack = native.lineage.on_pack, native.lineage.note_backward
@@ -267,9 +268,13 @@ def _push_native_recorder(native, plan) -> None:
         note_unpack()
         return native_unpack(handle)
 
+    side_stream = []  # the CUDA side stream of replays ahead, made on first use
+
     def recompute(entry_id, ahead=False):
-        # A replay ahead (Note [Recompute ahead]) runs here on the current
-        # stream: this recorder has no side-stream replay yet.
+        if ahead and device.type == "cuda":  # Note [Recompute ahead]
+            if not side_stream:
+                side_stream.append(torch.cuda.Stream(device))
+            return lineage.rebuild_on_stream(entry_id, side_stream[0])
         return lineage.rebuild(entry_id)
 
     for function in (pack, unpack, recompute):

@@ -29,7 +29,7 @@ _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
     ("--host-budget", "MEMBUDGET_HOST_BUDGET", "host memory for swapped tensors (default: half of RAM)"),
     ("--policy", "MEMBUDGET_POLICY", "eviction policy: delta (default), dtr, msps, lru, largest"),
     ("--actions", "MEMBUDGET_ACTIONS", "swap, recompute or both (default)"),
-    ("--lineage", "MEMBUDGET_LINEAGE", "recorder of forward ops for recompute: python (default) or cxx"),
+    ("--lineage", "MEMBUDGET_LINEAGE", "recorder of forward ops for recompute: auto (default: cxx on the CPU, python on CUDA), python or cxx"),
     ("--min-tensor-bytes", "MEMBUDGET_MIN_TENSOR_BYTES", "leave saved tensors below this size alone (default 1MiB)"),
     ("--prefetch-bytes", "MEMBUDGET_PREFETCH_BYTES", "prefetch window in backward, 0 disables (default 256MiB)"),
     ("--expandable-segments", "MEMBUDGET_EXPANDABLE_SEGMENTS",

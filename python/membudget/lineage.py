@@ -326,7 +326,28 @@ class Lineage:
         self.ops_recorded += 1
         if info.random:
             node.rng = _capture_generator(args, kwargs)
+        for position, name in info.writes:
+            if name in info.scratch:
+                continue
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor) and type(getattr(target, _ATTR, None)) is not StorageLineage:
+                self._rescue_before_write(target)
         return node
+
+    def _rescue_before_write(self, target: torch.Tensor) -> None:
+        # Note [Rescue before the write]: a write to a tensor lineage did not
+        # produce: whatever was recorded from its old value can no longer be
+        # replayed. Entries that depend on it and are dropped right now are
+        # rebuilt here, before the op runs. (After it, as this was done
+        # before, the data is already written while autograd, above this
+        # mode, has not bumped the version counter yet, so the replay's
+        # version check passed and it rebuilt from the new values: wrong
+        # gradients, silently; test_input_written_in_place_after_forward_is_rescued
+        # with actions="recompute".) The C++ recorder rescues from the op's
+        # start callback, before it runs, too.
+        from .replay import rescue_dependents_of
+
+        rescue_dependents_of(self, target)
 
     def after(self, node: OpNode, info: _FuncInfo, args, kwargs, out) -> None:
         """Attaches lineages to the outputs and records writes."""
@@ -368,14 +389,10 @@ class Lineage:
             # version once the op returns: the version after it is one more.
             lineage.versions.append(target._version + 1)
             lineage.memo.clear()
-            return
-        # A write to a tensor lineage did not produce: whatever was recorded
-        # from its old value can no longer be replayed (replay.py checks the
-        # version of every external input and refuses). Entries that depend
-        # on it and are dropped right now are rebuilt before the write lands.
-        from .replay import rescue_dependents_of
-
-        rescue_dependents_of(self, target)
+        # Otherwise a write to a tensor lineage did not produce: its
+        # dependents were rescued before the op ran (Note [Rescue before the
+        # write]), and replay.py refuses any later replay that reads it (it
+        # checks the version of every external input).
 
     def rescued(self, entry_id: int) -> None:
         """An entry whose replay would read a tensor about to be overwritten:

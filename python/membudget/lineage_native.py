@@ -23,10 +23,13 @@ __all__ = ["NativeLineage"]
 class NativeLineage:
     """Records forward ops in C++ for one install; see the module docstring."""
 
-    def __init__(self, native, plan=None):
+    def __init__(self, native, plan=None, device_model=None):
         self.native = native
         self.recorder = native.lineage
         self.plan = plan
+        # For CUDA: a costs.DeviceModel whose roofline floors each recorded
+        # op's cost (Note [Roofline floor on CUDA] in lineage_roofline.cpp).
+        self.device_model = device_model
         self._suspended = 0  # nesting of without_recording (autograd.grad inside backward hooks)
 
     def start(self) -> None:
@@ -41,12 +44,14 @@ class NativeLineage:
             self.recorder.set_plan(drop_if_planned)
         else:
             self.recorder.set_plan(None)
+        self.recorder.set_device_model(self.device_model.to_dict() if self.device_model is not None else None)
         self.recorder.start()
 
     def stop(self) -> None:
         """Stops recording on the calling thread."""
         self.recorder.stop()
         self.recorder.set_plan(None)
+        self.recorder.set_device_model(None)
 
     def without_recording(self, function, args, kwargs):
         """``function(*args, **kwargs)`` with this thread's callback off
@@ -77,12 +82,27 @@ class NativeLineage:
         op that made it returns: Note [Packed before recorded])."""
         self.recorder.on_pack(handle.entry_id, tensor)
 
-    def rebuild(self, entry_id: int) -> torch.Tensor:
+    def rebuild(self, entry_id: int, stream=None) -> torch.Tensor:
         """The recompute callback: replays a dropped entry's storage
         (:func:`membudget.replay.rebuild_entry`; same grad mode and no
-        Python modes, for the same reasons)."""
+        Python modes, for the same reasons). With a CUDA ``stream`` (the
+        current one), managed inputs the replay reads are recorded on it."""
+        packed = None if stream is None else (stream.stream_id, stream.device_index, stream.device_type)
         try:
             with torch.enable_grad(), _disable_current_modes():
-                return self.recorder.rebuild(entry_id)
+                return self.recorder.rebuild(entry_id, packed)
         except self.recorder.ReplayError as error:
             raise RecomputeError(str(error)) from None
+
+    def rebuild_on_stream(self, entry_id: int, side: "torch.cuda.Stream"):
+        """Note [Recompute ahead] on CUDA, as
+        :func:`membudget.replay.rebuild_entry_on_stream`: replays a dropped
+        entry on the side stream ``side`` (after it waits for the compute
+        stream) and returns (tensor, ``side``'s handle); the rebuilt storage
+        is recorded on the compute stream, where backward uses and frees it."""
+        compute = torch.cuda.current_stream(side.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            rebuilt = self.rebuild(entry_id, stream=side)
+        rebuilt.record_stream(compute)
+        return rebuilt, side.cuda_stream
