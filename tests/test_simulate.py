@@ -268,3 +268,72 @@ def test_copy_starts_a_latency_after_it_is_issued(compute_share):
     assert r["stall_s"] == pytest.approx(0.11)
     (copy,) = r["timeline"]["copies"]
     assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))
+
+
+def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8):
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                       capacity, link, True, "delta", prefetch_bytes, high_watermark, 2)
+
+
+def test_eviction_rewinds_the_prefetch_cursor():
+    # Note [Prefetch cursor]. Forward saves X, A, B (100 MB each). At
+    # backward's first unpack (B) everything is resident, so the prefetcher
+    # walks its cursor past every predicted use. Then a 300 MB temporary
+    # sends X (used last) to host. Its use lies behind the cursor: unless the
+    # eviction brings the cursor back, X is never prefetched, and its unpack
+    # waits for the whole copy (0.1 s at 1 GB/s). With the rewind, the unpack
+    # of A, 0.5 s before X's, issues X's copy-in and X arrives in time.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size, size, size, 3 * size])
+    for t in (0, 1, 2):  # X, A, B
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, 0.1)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.UNPACK, 2)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 2)
+    prog.emit(Code.ALLOC, 3)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 3)
+    for t in (1, 0):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.5)
+        prog.emit(Code.FREE, t)
+    r = _manager_replay(prog, budget=450_000_000, prefetch_bytes=200_000_000)
+    assert r["feasible"] and r["eviction_count"] == 1 and r["swap_in_bytes"] == size
+    assert r["prefetch_misses"] == 0 and r["prefetch_hits"] == 1
+    assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_large_request_finds_address_room_without_evicting():
+    # Note [Address headroom]. Nine 100 MB tensors fill the device's 1 GB
+    # range up to 900 MB; the odd ones are temporaries, freed, leaving
+    # 100 MB holes between the saved even ones. A 400 MB request then fits
+    # the 950 MB budget once the holes' pages are released (500 + 400 MB),
+    # but no 400 MB stretch of a device-sized address range is free: it would
+    # have to evict saved tensors until one is. With an address range larger
+    # than the device, it is backed in the never-used tail.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size] * 9 + [4 * size])
+    for t in range(9):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, 0.01)
+        if t % 2 == 0:
+            prog.emit(Code.PACK, t)
+            prog.emit(Code.RELEASE, t)
+    for t in range(1, 9, 2):
+        prog.emit(Code.FREE, t)
+    prog.emit(Code.ALLOC, 9)
+    prog.emit(Code.COMPUTE, -1, 0.01)
+    prog.emit(Code.FREE, 9)
+    for t in range(8, -1, -2):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.01)
+        prog.emit(Code.FREE, t)
+    # (No background copies: the watermark is the budget.)
+    r = _manager_replay(prog, budget=950_000_000, capacity=1_000_000_000, high_watermark=1.0)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 950_000_000
+    assert r["eviction_count"] == 0 and r["swap_out_bytes"] == 0
