@@ -672,6 +672,9 @@ void ResidencyManager::reset_prediction() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   order_ = UnpackOrder();
   prefetch_cursor_ = 0;
+  // What the last model evicted says nothing of the next (Note [Copies ahead]).
+  evicted_this_iteration_ = 0;
+  evicted_last_iteration_ = 0;
 }
 
 std::string ResidencyManager::describe_evictable() const {
