@@ -337,3 +337,34 @@ def test_a_large_request_finds_address_room_without_evicting():
     r = _manager_replay(prog, budget=950_000_000, capacity=1_000_000_000, high_watermark=1.0)
     assert r["feasible"] and r["peak_reserved_bytes"] <= 950_000_000
     assert r["eviction_count"] == 0 and r["swap_out_bytes"] == 0
+
+
+def test_forward_copies_ahead_make_a_later_eviction_free():
+    # Note [Copies ahead]. Forward saves X (100 MB), then a small Y, then
+    # computes for 1 s while the link is idle, then a 100 MB temporary
+    # needs X's memory (budget 150 MB). Backward uses Y, then X 0.5 s later.
+    # The first iteration copies X out on the allocation path: 0.1 s of
+    # stall at 1 GB/s. The measured (second) iteration, having seen that
+    # eviction, copies X to host at Y's pack, during the idle second, so the
+    # eviction only drops the device copy; X's copy-in, issued at Y's
+    # unpack, arrives within the 0.5 s. (No background swap-out: the
+    # watermark is the budget.)
+    prog = Program(tensor_bytes=[100_000_000, 10_000_000, 100_000_000])
+    for t, seconds in ((0, 0.1), (1, 0.1)):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    prog.emit(Code.ALLOC, 2)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 2)
+    for t, seconds in ((1, 0.5), (0, 0.1)):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.FREE, t)
+    r = _manager_replay(prog, budget=150_000_000, prefetch_bytes=200_000_000, high_watermark=1.0)
+    assert r["feasible"] and r["eviction_count"] == 1
+    assert r["swap_out_bytes"] == r["swap_in_bytes"] == 100_000_000
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-9)
+    assert r["prefetch_hits"] == 1
