@@ -329,6 +329,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   // so (the OOM message names the host tier when this counter is non-zero).
   if (freed < bytes_needed && host_tier_blocked_) ++counters_.host_tier_full;
   host_tier_blocked_ = false;
+  if (freed > 0 && unpacked_since_pack_) order_.note_pressure();  // Note [Eviction pressure]
   return freed;
 }
 
