@@ -80,7 +80,7 @@ void ResidencyManager::start_copies_ahead() {
   // only entries whose copy-in backward can hide behind everything already
   // bound for host (Note [Copy-in backlog], counted as if all of it were
   // evicted), so that the host link in backward is not oversubscribed.
-  // Measured in the simulator on h200 (bench/RESULTS.md, "Copies ahead"):
+  // Measured in the simulator on h200 (bench/RESULTS.md, "Simulated policies, run 5"):
   // Llama-7B at 40% 1.112 -> 1.094 of the floor. Without kMinLossShare,
   // ResNet-50 at 40% lost 9% to evictions waiting for copies ahead of cheap
   // tensors; choosing from the previous iteration's evictions instead of

@@ -462,7 +462,7 @@ void ResidencyManager::issue_prefetches(Stream stream) {
   // simulator (Llama-7B at 60% on h200 with copies ahead): without it 30-40%
   // of the link was used in the first half of backward, then 173 ms of
   // unpack stalls came in the second; with a margin of 2 unpacks 48 ms, of 32
-  // unpacks 31 ms (bench/RESULTS.md, "Copies ahead").
+  // unpacks 31 ms (bench/RESULTS.md, "Simulated policies, run 5").
   const double margin_s = static_cast<double>(kLinkBehindUnpacks) * unpack_interval_s_;
   const bool link_behind = unpack_interval_s_ > 0.0 &&
                            copy_in_backlog(/*with_planned=*/false).max_lateness_seconds() > -margin_s;
