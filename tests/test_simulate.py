@@ -368,3 +368,41 @@ def test_forward_copies_ahead_make_a_later_eviction_free():
     assert r["swap_out_bytes"] == r["swap_in_bytes"] == 100_000_000
     assert r["stall_s"] == pytest.approx(0.0, abs=1e-9)
     assert r["prefetch_hits"] == 1
+
+
+def test_backward_pace_does_not_count_the_forward():
+    # Note [Unpack pace]. Forward saves V (100 MB, replayable in 0.15 s), W
+    # (10 MB) and A (100 MB) in 0.2 s; backward unpacks A, W, V 0.02 s apart,
+    # and a 100 MB temporary at A's unpack must evict V (budget 250 MB, 1
+    # GB/s link). V is needed one unpack later, 0.02 s at backward's pace:
+    # swapping costs its 0.1 s copy out plus the 0.08 s of its 0.1 s copy in
+    # that the 0.02 s cannot hide, more than the 0.15 s replay, so it is
+    # dropped. Were the gap from the last backward's last unpack to this
+    # one's first (0.22 s, a whole forward) taken as a sample of the pace,
+    # it would read 0.07 s, the swap would look like 0.13 s and win, and cost
+    # more than the replay.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size, 10_000_000, size, size])  # V, W, A, temporary
+    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0, 0, 0, 0, 0]
+    for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05)):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.UNPACK, 2)
+    prog.emit(Code.ALLOC, 3)
+    prog.emit(Code.COMPUTE, -1, 0.02)
+    prog.emit(Code.FREE, 3)
+    prog.emit(Code.FREE, 2)
+    for t in (1, 0):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.02)
+        prog.emit(Code.FREE, t)
+    from membudget._native import load_extension
+
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
+                                    1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
+                                    prog.replay_input_offsets, prog.replay_inputs)
+    assert r["feasible"] and r["eviction_count"] == 1
+    assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
