@@ -76,8 +76,9 @@ void ResidencyManager::register_entry(ResidencyEntry* entry) {
     // Note [Unpack pace]: the first unpack of a backward follows a whole
     // forward, not an op: measured from the previous backward's last unpack,
     // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
-    // the pace as one sample and inflated it 70-fold at once, and with it every
-    // horizon the prefetcher and the director derive from it.
+    // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
+    // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
+    // it every horizon the prefetcher and the director derive from it.
     last_unpack_ = {};
     ++iteration_;
     order_.begin_iteration();
