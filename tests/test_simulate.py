@@ -234,8 +234,6 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
     # beside S1: issued later it would only arrive later. S1 is ready 50 ms later, in time; B 350 ms later, used
     # 200 ms later: 150 ms of stall. Held back until S1's use (the window
     # alone) B would stall 200 ms.
-    from membudget._native import load_extension
-
     size_mb = [300, 50, 50, 700]
     prog = Program(tensor_bytes=[s * 1_000_000 for s in size_mb])
     for i in range(3):
@@ -250,8 +248,7 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
         prog.emit(Code.UNPACK, i)
         prog.emit(Code.COMPUTE, -1, 0.1)
         prog.emit(Code.FREE, i)
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 800_000_000,
-                                    1 << 40, 1e9, True, "delta", 100_000_000, 0.8, 2)
+    r = _manager_replay(prog, 800_000_000, prefetch_bytes=100_000_000)
     assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
 
