@@ -24,6 +24,7 @@ mean of the plain runs just before and after its group. Step time is the median 
 a crash) is a row with its error, not the end of the bench.
 
     python bench/bench_recompute.py [--quick] [--steps 6] [--models gpt2,cnn,lstm]
+    python bench/bench_recompute.py --head-to-head gpt2:50,cnn:70 [--rounds 5]
                                     [--markdown bench/RESULTS.md]
 
 Columns: budget (% of the unmanaged peak, or ``gc`` for the
@@ -241,6 +242,54 @@ def bench_model(model: str, args) -> List[Dict[str, Any]]:
     return bench.rows
 
 
+def head_to_head(model: str, fractions: List[float], args) -> List[str]:
+    """``--head-to-head``: at each fraction of the unmanaged peak, ``--rounds``
+    rounds of one ``delta`` and one ``dtr`` run (``actions=both``; which goes
+    first alternates by round) followed by a plain run, so that both ratios
+    of a round share the plain runs around them. One run per configuration
+    cannot tell a 1% difference from this machine's run-to-run spread; the
+    paired per-round ratio and the median over rounds can. Returns the
+    summary lines."""
+    bench = ModelBench(model, args)
+    unbudgeted = bench.spawn(mode="unbudgeted", actions="swap")
+    if "error" in unbudgeted:
+        return [f"{model}: unbudgeted run failed: {unbudgeted['error']}"]
+    peak = int(unbudgeted["stats"]["reserved_bytes.all.peak"])
+    bench.plain_run()
+    lines = []
+    for fraction in fractions:
+        label = f"{fraction:.0%}"
+        rounds = []
+        for k in range(args.rounds):
+            order = ("delta", "dtr") if k % 2 == 0 else ("dtr", "delta")
+            rows = {policy: bench.measure({"budget_label": label, "policy": policy, "actions": "both"},
+                                          mode="managed", budget=int(peak * fraction), policy=policy, actions="both")
+                    for policy in order}
+            bench.close()
+            rounds.append(rows)
+        failed = [r for rows in rounds for r in rows.values() if "error" in r]
+        if failed:
+            lines.append(f"{model} {label}: {len(failed)} run(s) failed: {failed[0]['error'][:200]}")
+            continue
+        delta = [rows["delta"]["ratio"] for rows in rounds]
+        dtr = [rows["dtr"]["ratio"] for rows in rounds]
+        paired = [d / t for d, t in zip(delta, dtr)]
+        counters = {policy: (statistics.median(rows[policy]["recompute_count"] for rows in rounds),
+                             statistics.median(rows[policy]["swap_out"] for rows in rounds) / MiB)
+                    for policy in ("delta", "dtr")}
+        verdict = "met" if statistics.median(paired) <= 1.0 else "MISSED"
+        lines.append(
+            f"{model} {label}: {args.rounds} rounds; delta median {statistics.median(delta):.3f}x "
+            f"({', '.join(f'{v:.2f}' for v in delta)}), dtr median {statistics.median(dtr):.3f}x "
+            f"({', '.join(f'{v:.2f}' for v in dtr)}); delta/dtr per round "
+            f"{', '.join(f'{v:.3f}' for v in paired)}, median {statistics.median(paired):.3f}, delta faster in "
+            f"{sum(v < 1.0 for v in paired)} of {len(paired)}; recomputes / swap-out MiB per run (median): "
+            f"delta {counters['delta'][0]:g} / {counters['delta'][1]:.0f}, dtr {counters['dtr'][0]:g} / "
+            f"{counters['dtr'][1]:.0f}; delta no slower than dtr (median paired ratio <= 1): {verdict}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def format_rows(rows: List[Dict[str, Any]], markdown: bool) -> str:
     """The results table, as text columns or as a markdown table."""
     header = ["model", "budget", "policy", "actions", "peak MiB", "step ratio", "recomputes", "swap out MiB",
@@ -331,6 +380,28 @@ def resolve_run_options(parser: argparse.ArgumentParser, args) -> List[str]:
     return models
 
 
+def run_head_to_head(parser: argparse.ArgumentParser, args, argv: List[str], started: float) -> int:
+    """``--head-to-head CELLS``: parse the cells, run them, print (and with
+    ``--markdown`` append) the summary lines."""
+    cells: Dict[str, List[float]] = {}
+    for cell in args.head_to_head.split(","):
+        model, _, percent = cell.strip().partition(":")
+        if model not in BENCHED_MODELS or not percent.isdigit() or not 0 < int(percent) <= 100:
+            parser.error(f"--head-to-head: {cell!r} is not MODEL:PERCENT with MODEL one of {', '.join(BENCHED_MODELS)}")
+        cells.setdefault(model, []).append(int(percent) / 100)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    lines = [line for model, fractions in cells.items() for line in head_to_head(model, fractions, args)]
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_recompute.py", *argv])
+    setup = (f"{machine_line('cpu', args.threads)}; {args.steps} steps per run, median step time after "
+             f"{args.warmup} warm-up steps; {time.perf_counter() - started:.0f} s in all")
+    print(f"\n{command}\n{setup}\n" + "\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "a") as out:
+            out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n" + "".join(f"- {line}\n" for line in lines))
+    return 1 if any("failed" in line for line in lines) else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
@@ -352,11 +423,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "0: torch's default)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--markdown", metavar="FILE", help="append the table and the command to FILE")
+    parser.add_argument("--head-to-head", metavar="CELLS",
+                        help="only delta against dtr (actions=both) at these cells, e.g. gpt2:50,cnn:70, each "
+                             "repeated --rounds times with paired ratios (see head_to_head)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per --head-to-head cell (default 5)")
     args = parser.parse_args(argv)
     args.gc_policies = [p.strip() for p in args.gc_policies.split(",") if p.strip()]
     models = resolve_run_options(parser, args)
 
     started = time.perf_counter()
+    if args.head_to_head:
+        return run_head_to_head(parser, args, argv, started)
     rows: List[Dict[str, Any]] = []
     for model in models:
         rows.extend(bench_model(model, args))

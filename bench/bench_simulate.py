@@ -45,7 +45,10 @@ MiB = 2**20
 
 def _trace_workload(workload):
     """A real-tensor trace of one harness step (zero_grad, forward, backward,
-    Adam step), after one unrecorded step that creates the optimizer state."""
+    Adam step), after one unrecorded step that creates the optimizer state.
+    membudget is installed without a budget while it runs, so that the trace
+    measures each op's scratch memory (Note [Op workspace]) on the allocator
+    the managed runs use; it is uninstalled after."""
     torch.manual_seed(0)
 
     def setup():
@@ -59,7 +62,11 @@ def _trace_workload(workload):
         workload.loss(model, workload.batch(torch.device("cpu"))).backward()
         optimizer.step()
 
-    return membudget.trace(step, setup=setup, warmup=1, metadata={"model": workload.name})
+    membudget.install(budget=None)
+    try:
+        return membudget.trace(step, setup=setup, warmup=1, metadata={"model": workload.name})
+    finally:
+        membudget.uninstall()
 
 
 def _steady(run: dict, warmup: int, key: str) -> list:

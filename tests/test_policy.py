@@ -117,3 +117,33 @@ def test_neighbourhood_classes_merge_and_shrink(core):
     n.remove(2, 2.0)
     assert n.cost_of([1]) == pytest.approx(1.0)
     assert n.cost_of([7]) == 0.0
+
+
+def test_copy_in_backlog_stall_is_the_largest_lateness(core):
+    # Note [Copy-in backlog]. Over a 1 GB/s link, two entries on host of
+    # 100 MB needed 0.15 s and 0.2 s after copy-ins start arrive at 0.1 s
+    # and 0.2 s: in time. A third needed first (at 0.05 s, 100 MB) is late
+    # by 0.05 s itself, and pushes the other two back by 0.1 s each: the one
+    # needed at 0.15 s arrives at 0.2 s (0.05 s late), the last at 0.3 s
+    # (0.1 s late). Backward waits once for the worst of them: 0.1 s, not
+    # the 0.2 s sum of the three latenesses, and not the third's own 0.05 s.
+    on_host = [(0.15, 100_000_000), (0.2, 100_000_000)]
+    stall, added = core.copy_in_added_stall(on_host, 0, 1e9, 0.05, 100_000_000)
+    assert stall == pytest.approx(0.0, abs=1e-12)
+    assert added == pytest.approx(0.1)
+    # Needed after both, with time to spare: hidden.
+    assert core.copy_in_added_stall(on_host, 0, 1e9, 0.5, 100_000_000)[1] == pytest.approx(0.0, abs=1e-12)
+    # Copies already on the link come first.
+    stall, added = core.copy_in_added_stall(on_host, 50_000_000, 1e9, 0.5, 100_000_000)
+    assert stall == pytest.approx(0.05) and added == pytest.approx(0.0, abs=1e-12)
+    assert core.copy_in_added_stall([], 0, 1e9, 0.05, 100_000_000) == pytest.approx((0.0, 0.05))
+
+
+def test_director_takes_the_copy_in_stall_from_the_backlog(core):
+    # Needed 10 s away, the copy-in alone looks hidden; behind backward's
+    # backlog it is not, and the replay wins.
+    facts = dict(bytes=100 * MiB, recomputable=True, link_bytes_per_s=1e9, recompute_seconds=0.15,
+                 seconds_until_next_use=10.0, host_valid=True)
+    assert core.decide(facts)["action"] == "swap"
+    late = core.decide(dict(facts, copy_in_stall_seconds=0.2))
+    assert late["action"] == "recompute" and late["swap_stall_seconds"] == pytest.approx(0.2)

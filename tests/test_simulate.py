@@ -234,8 +234,6 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
     # beside S1: issued later it would only arrive later. S1 is ready 50 ms later, in time; B 350 ms later, used
     # 200 ms later: 150 ms of stall. Held back until S1's use (the window
     # alone) B would stall 200 ms.
-    from membudget._native import load_extension
-
     size_mb = [300, 50, 50, 700]
     prog = Program(tensor_bytes=[s * 1_000_000 for s in size_mb])
     for i in range(3):
@@ -250,8 +248,7 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
         prog.emit(Code.UNPACK, i)
         prog.emit(Code.COMPUTE, -1, 0.1)
         prog.emit(Code.FREE, i)
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 800_000_000,
-                                    1 << 40, 1e9, True, "delta", 100_000_000, 0.8, 2)
+    r = _manager_replay(prog, 800_000_000, prefetch_bytes=100_000_000)
     assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
 
@@ -268,3 +265,141 @@ def test_copy_starts_a_latency_after_it_is_issued(compute_share):
     assert r["stall_s"] == pytest.approx(0.11)
     (copy,) = r["timeline"]["copies"]
     assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))
+
+
+def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8):
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                       capacity, link, True, "delta", prefetch_bytes, high_watermark, 2)
+
+
+def test_eviction_rewinds_the_prefetch_cursor():
+    # Note [Prefetch cursor]. Forward saves X, A, B (100 MB each). At
+    # backward's first unpack (B) everything is resident, so the prefetcher
+    # walks its cursor past every predicted use. Then a 300 MB temporary
+    # sends X (used last) to host. Its use lies behind the cursor: unless the
+    # eviction brings the cursor back, X is never prefetched, and its unpack
+    # waits for the whole copy (0.1 s at 1 GB/s). With the rewind, the unpack
+    # of A, 0.5 s before X's, issues X's copy-in and X arrives in time.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size, size, size, 3 * size])
+    for t in (0, 1, 2):  # X, A, B
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, 0.1)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.UNPACK, 2)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 2)
+    prog.emit(Code.ALLOC, 3)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 3)
+    for t in (1, 0):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.5)
+        prog.emit(Code.FREE, t)
+    r = _manager_replay(prog, budget=450_000_000, prefetch_bytes=200_000_000)
+    assert r["feasible"] and r["eviction_count"] == 1 and r["swap_in_bytes"] == size
+    assert r["prefetch_misses"] == 0 and r["prefetch_hits"] == 1
+    assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_large_request_finds_address_room_without_evicting():
+    # Note [Address headroom]. Nine 100 MB tensors fill the device's 1 GB
+    # range up to 900 MB; the odd ones are temporaries, freed, leaving
+    # 100 MB holes between the saved even ones. A 400 MB request then fits
+    # the 950 MB budget once the holes' pages are released (500 + 400 MB),
+    # but no 400 MB stretch of a device-sized address range is free: it would
+    # have to evict saved tensors until one is. With an address range larger
+    # than the device, it is backed in the never-used tail.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size] * 9 + [4 * size])
+    for t in range(9):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, 0.01)
+        if t % 2 == 0:
+            prog.emit(Code.PACK, t)
+            prog.emit(Code.RELEASE, t)
+    for t in range(1, 9, 2):
+        prog.emit(Code.FREE, t)
+    prog.emit(Code.ALLOC, 9)
+    prog.emit(Code.COMPUTE, -1, 0.01)
+    prog.emit(Code.FREE, 9)
+    for t in range(8, -1, -2):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.01)
+        prog.emit(Code.FREE, t)
+    # (No background copies: the watermark is the budget.)
+    r = _manager_replay(prog, budget=950_000_000, capacity=1_000_000_000, high_watermark=1.0)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 950_000_000
+    assert r["eviction_count"] == 0 and r["swap_out_bytes"] == 0
+
+
+def test_forward_copies_ahead_make_a_later_eviction_free():
+    # Note [Copies ahead]. Forward saves X (100 MB), then a small Y, then
+    # computes for 1 s while the link is idle, then a 100 MB temporary
+    # needs X's memory (budget 150 MB). Backward uses Y, then X 0.5 s later.
+    # The first iteration copies X out on the allocation path: 0.1 s of
+    # stall at 1 GB/s. The measured (second) iteration, having seen that
+    # eviction, copies X to host at Y's pack, during the idle second, so the
+    # eviction only drops the device copy; X's copy-in, issued at Y's
+    # unpack, arrives within the 0.5 s. (No background swap-out: the
+    # watermark is the budget.)
+    prog = Program(tensor_bytes=[100_000_000, 10_000_000, 100_000_000])
+    for t, seconds in ((0, 0.1), (1, 0.1)):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    prog.emit(Code.ALLOC, 2)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 2)
+    for t, seconds in ((1, 0.5), (0, 0.1)):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.FREE, t)
+    r = _manager_replay(prog, budget=150_000_000, prefetch_bytes=200_000_000, high_watermark=1.0)
+    assert r["feasible"] and r["eviction_count"] == 1
+    assert r["swap_out_bytes"] == r["swap_in_bytes"] == 100_000_000
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-9)
+    assert r["prefetch_hits"] == 1
+
+
+def test_backward_pace_does_not_count_the_forward():
+    # Note [Unpack pace]. Forward saves V (100 MB, replayable in 0.15 s), W
+    # (10 MB) and A (100 MB) in 0.2 s; backward unpacks A, W, V 0.02 s apart,
+    # and a 100 MB temporary at A's unpack must evict V (budget 250 MB, 1
+    # GB/s link). V is needed one unpack later, 0.02 s at backward's pace:
+    # swapping costs its 0.1 s copy out plus the 0.08 s of its 0.1 s copy in
+    # that the 0.02 s cannot hide, more than the 0.15 s replay, so it is
+    # dropped. Were the gap from the last backward's last unpack to this
+    # one's first (0.22 s, a whole forward) taken as a sample of the pace,
+    # it would read 0.07 s, the swap would look like 0.13 s and win, and cost
+    # more than the replay.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size, 10_000_000, size, size])  # V, W, A, temporary
+    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0, 0, 0, 0, 0]
+    for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05)):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, seconds)
+        prog.emit(Code.PACK, t)
+        prog.emit(Code.RELEASE, t)
+    prog.emit(Code.UNPACK, 2)
+    prog.emit(Code.ALLOC, 3)
+    prog.emit(Code.COMPUTE, -1, 0.02)
+    prog.emit(Code.FREE, 3)
+    prog.emit(Code.FREE, 2)
+    for t in (1, 0):
+        prog.emit(Code.UNPACK, t)
+        prog.emit(Code.COMPUTE, -1, 0.02)
+        prog.emit(Code.FREE, t)
+    from membudget._native import load_extension
+
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
+                                    1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
+                                    prog.replay_input_offsets, prog.replay_inputs)
+    assert r["feasible"] and r["eviction_count"] == 1
+    assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0

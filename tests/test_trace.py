@@ -95,6 +95,53 @@ def test_load_refuses_another_version(tiny):
         Trace.from_dict(json.loads(json.dumps(data)))
 
 
+def _conv_setup():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 16, 3, padding=1))
+
+
+def _conv_step(model):
+    model(torch.randn(4, 8, 32, 32)).square().mean().backward()
+
+
+@pytest.mark.requires_native
+def test_op_workspace_is_measured_and_simulated(tiny):
+    # Note [Op workspace]: a CPU convolution allocates scratch buffers
+    # (im2col) that no dispatched op returns. With membudget installed the
+    # trace measures them, the simulator allocates them for the op's
+    # duration, and a file without the column (written before it existed)
+    # still loads.
+    from membudget.replay_program import Code, compile_program
+    from membudget.simulate import unbudgeted_peak
+
+    assert all(op.workspace_bytes == 0 for op in tiny.ops)  # plain CPU: nothing counts
+    membudget.install(budget=None)
+    trace = membudget.trace(_conv_step, setup=_conv_setup)
+    membudget.uninstall()
+    with_scratch = {op.name for op in trace.ops if op.workspace_bytes > 0}
+    assert "aten.convolution_backward.default" in with_scratch
+    elementwise = [op for op in trace.ops if op.name in ("aten.relu.default", "aten.threshold_backward.default")]
+    assert len(elementwise) == 2 and all(op.workspace_bytes == 0 for op in elementwise)
+    peak = unbudgeted_peak(trace, "cpu-host")
+    data = trace.to_dict()
+    del data["ops"]["workspace_bytes"]
+    older = Trace.from_dict(json.loads(json.dumps(data)))
+    assert all(op.workspace_bytes == 0 for op in older.ops)
+    assert unbudgeted_peak(older, "cpu-host") <= peak
+    # Each scratch buffer is a tensor of its own, alive exactly around its op.
+    program = compile_program(trace, [1e-6] * len(trace.ops), "none", 1 << 62)
+    scratch = program.tensor_bytes[len(trace.tensors):]
+    assert scratch == [op.workspace_bytes for op in trace.ops if op.workspace_bytes > 0]
+    computes = [k for k, code in enumerate(program.codes) if code == Code.COMPUTE]
+    for tid in range(len(trace.tensors), len(program.tensor_bytes)):
+        at = program.tensors.index(tid)
+        assert program.codes[at] == Code.ALLOC and program.codes[at + 1] == Code.COMPUTE
+        assert program.codes[at + 2] == Code.FREE and program.tensors[at + 2] == tid
+    assert len(computes) == len(trace.ops)
+    assert Trace.from_dict(json.loads(json.dumps(trace.to_dict()))).ops == trace.ops
+
+
 def test_blocks_are_the_repeated_layers():
     from membudget.models import gpt
 

@@ -274,13 +274,27 @@ struct CachingAllocator::Impl {
     return block->spans_segment() ? block->size : 0;
   }
 
+  // Note [Address headroom]: an expandable segment reserves addresses, not
+  // memory, and a request needs one contiguous free range of them. Reserved
+  // only as large as the device, a range near the budget is as fragmented as
+  // a fixed segment (live blocks scattered over all of it), and a large
+  // request is satisfied only once eviction happens to free a contiguous
+  // run: measured in the simulator, Llama-7B's 2-4 GB loss tensors on h200
+  // at a 126 GiB budget (5 GiB short of the device) evicted 73 GiB of
+  // activations for a few GiB of requests. A range kAddressHeadroom times
+  // the device always has a never-mapped tail to back a request in, which
+  // is what Note [Expandable segments] promises; addresses cost nothing
+  // (CUDA's cuMemAddressReserve, the host's PROT_NONE mmap, the simulator's
+  // counter). The budget and the device's memory still bound what is mapped.
+  static constexpr size_t kAddressHeadroom = 4;
+
   // Rung 2 with expandable segments: the first request of a (pool, stream)
-  // reserves its segment, as large as the device; later ones find it in
+  // reserves its segment (Note [Address headroom]); later ones find it in
   // rung 1, so there is never a second one.
   Block* new_expandable_segment(BlockPool& pool, Stream stream, size_t size) {
     const auto key = std::make_pair(static_cast<const BlockPool*>(&pool), stream);
     if (expandable_segments.count(key) != 0) return nullptr;
-    auto segment = std::make_unique<ExpandableSegment>(backend, std::max(backend.device_capacity(), size));
+    auto segment = std::make_unique<ExpandableSegment>(backend, kAddressHeadroom * std::max(backend.device_capacity(), size));
     if (segment->base() == nullptr) return nullptr;
     auto* block = new Block(segment->base(), segment->size(), stream, &pool);
     block->expandable = segment.get();

@@ -28,10 +28,21 @@ class UnpackOrder {
   // Pack sequence number at a predicted position (0 <= position < length).
   uint64_t predicted_at(int64_t position) const { return previous_[static_cast<size_t>(position)]; }
 
+  // Note [Eviction pressure]: backward evicted to make room at the current
+  // position. Marks are kept across iterations (a position once short of
+  // memory stays marked until the prediction is reset), so that a choice
+  // made because a range looked free cannot, by filling it, hide the
+  // pressure it caused from the next iteration and oscillate.
+  void note_pressure();
+  // Whether any position in [from, to] was ever marked.
+  bool pressure_between(int64_t from, int64_t to) const;
+
  private:
   std::vector<uint64_t> previous_;
   std::unordered_map<uint64_t, std::vector<int64_t>> previous_positions_;
   std::vector<uint64_t> current_;
+  std::vector<int64_t> pressure_prefix_;  // pressure_prefix_[i]: marked positions before i (+1 sentinel)
+  std::vector<bool> pressure_;            // marks of every iteration so far, by position
 };
 
 }  // namespace membudget

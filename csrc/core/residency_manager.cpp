@@ -20,6 +20,9 @@ constexpr double kMaxPrefetchBudgetFraction = 0.25;
 // How far before the current unpack position the prefetcher still looks for
 // entries not yet unpacked (Note [Prefetch lookback]).
 constexpr int64_t kPrefetchLookback = 32;
+// How many unpacks of slack backward's copy-ins may have left before the
+// prefetcher keeps the H2D link busy past its window (Note [Link behind]).
+constexpr int64_t kLinkBehindUnpacks = 32;
 
 uint64_t next_entry_id() {
   static std::atomic<uint64_t> counter{0};
@@ -67,7 +70,16 @@ void ResidencyManager::register_entry(ResidencyEntry* entry) {
   reap_completed_copies();
   if (unpacked_since_pack_) {  // Note [Iterations]
     packs_last_iteration_ = packs_this_iteration_;
+    evicted_last_iteration_ = evicted_this_iteration_;
+    evicted_this_iteration_ = 0;
     last_pack_ = {};
+    // Note [Unpack pace]: the first unpack of a backward follows a whole
+    // forward, not an op: measured from the previous backward's last unpack,
+    // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
+    // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
+    // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
+    // it every horizon the prefetcher and the director derive from it.
+    last_unpack_ = {};
     ++iteration_;
     order_.begin_iteration();
     by_seq_.clear();
@@ -86,6 +98,7 @@ void ResidencyManager::register_entry(ResidencyEntry* entry) {
   note_interval(pack_interval_s_, last_pack_);
   drop_planned();
   maybe_start_background_swaps();
+  start_copies_ahead();
 }
 
 void ResidencyManager::touch(ResidencyEntry* entry) {
@@ -145,7 +158,8 @@ bool ResidencyManager::is_evictable(const ResidencyEntry* entry) const {
          entry->pins_ == 0 && !entry->externally_referenced();
 }
 
-EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decision* decision) {
+EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decision* decision,
+                                                   const CopyInBacklog* backlog) {
   EvictionCandidate c;
   c.entry = entry;
   c.bytes = entry->bytes();
@@ -166,7 +180,7 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
   c.seconds_until_next_use = seconds_until_next_use(c);
-  const Decision chosen = decide_for(entry, c);
+  const Decision chosen = decide_for(entry, c, backlog);
   c.cost_seconds = chosen.chosen_seconds();
   c.swap_chosen = chosen.action == EvictionAction::swap;
   if (decision != nullptr) *decision = chosen;
@@ -176,10 +190,11 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
 std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use) {
   FilterContext context{clock_, packs_this_iteration_};
   std::vector<std::pair<double, EvictionCandidate>> scored;
+  const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
     Decision decision;
-    EvictionCandidate c = make_candidate(entry, &decision);
+    EvictionCandidate c = make_candidate(entry, &decision, &backlog);
     if (decision.action == EvictionAction::none) {
       host_tier_blocked_ = host_tier_blocked_ || decision.host_tier_blocked;
       continue;
@@ -248,7 +263,8 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
     finish_copy(entry);
   }
   Decision decision;
-  const EvictionCandidate candidate = make_candidate(entry, &decision);
+  const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
+  const EvictionCandidate candidate = make_candidate(entry, &decision, &backlog);
   if (config_.log_decisions) log_decision(entry, candidate, decision);
   if (decision.action == EvictionAction::none) return 0;
   if (decision.action == EvictionAction::recompute) return drop_for_recompute(entry);
@@ -268,6 +284,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   note_evicted_before_use(entry);
   rewind_prefetch_cursor(entry);
   counters_.evicted_bytes += entry->bytes();
+  evicted_this_iteration_ += entry->bytes();
   ++counters_.eviction_count;
   return entry->bytes();
 }
@@ -313,6 +330,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   // so (the OOM message names the host tier when this counter is non-zero).
   if (freed < bytes_needed && host_tier_blocked_) ++counters_.host_tier_full;
   host_tier_blocked_ = false;
+  if (freed > 0 && unpacked_since_pack_) order_.note_pressure();  // Note [Eviction pressure]
   return freed;
 }
 
@@ -435,17 +453,40 @@ void ResidencyManager::issue_prefetches(Stream stream) {
   // A prefetch issued from inside a replay ahead keeps that replay's horizon.
   const int64_t outer_horizon = eviction_horizon_;
   bool starved = false;  // a swap-in wanted memory it could not have
+  // Note [Link behind]: the window holds prefetches back until they are
+  // due one by one, but when everything still on host, in the order
+  // backward needs it, leaves the H2D link less slack than
+  // kLinkBehindUnpacks unpacks (Note [Copy-in backlog]), every moment it
+  // idles is a stall later: then it is kept busy, past the window, with that
+  // much queued. The slack is an estimate (predicted positions at the
+  // average pace of backward), hence the wide margin. Measured in the
+  // simulator (Llama-7B at 60% on h200 with copies ahead): without it 30-40%
+  // of the link was used in the first half of backward, then 173 ms of
+  // unpack stalls came in the second; with a margin of 2 unpacks 48 ms, of 32
+  // unpacks 31 ms (bench/RESULTS.md, "Simulated policies, run 5").
+  const double margin_s = static_cast<double>(kLinkBehindUnpacks) * unpack_interval_s_;
+  const bool link_behind = unpack_interval_s_ > 0.0 &&
+                           copy_in_backlog(/*with_planned=*/false).max_lateness_seconds() > -margin_s;
+  auto keep_link_busy = [&]() {
+    if (!link_behind) return false;
+    size_t h2d_queued = 0;
+    for (const ResidencyEntry* busy : in_flight_) {
+      if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
+    }
+    return static_cast<double>(h2d_queued) / link_bytes_per_s_ < margin_s;
+  };
   // Tries the entry predicted at `position`: 1 issued, 0 nothing to do
   // there, -1 stop (window full, no room, no memory).
   auto try_prefetch = [&](int64_t position) -> int {
-    if (prefetch_outstanding_bytes_ >= window) return -1;
+    const bool busy_link = keep_link_busy();
+    if (prefetch_outstanding_bytes_ >= window && !busy_link) return -1;
     uint64_t seq = order_.predicted_at(position);
     ResidencyEntry* entry = seq < by_seq_.size() ? by_seq_[seq] : nullptr;
     if (entry == nullptr || entry->state_ != Residency::host) return 0;
     if (position < now && entry->last_access_ > backward_start_clock_) return 0;  // used already
     const int64_t distance = std::max<int64_t>(position - now, 0);
     if (prefetch_outstanding_bytes_ > 0 && prefetch_outstanding_bytes_ + entry->bytes() > window &&
-        !prefetch_is_due(entry, distance)) {
+        !prefetch_is_due(entry, distance) && !busy_link) {
       return -1;
     }
     // Room without evicting anything needed sooner than this entry?
@@ -633,6 +674,9 @@ void ResidencyManager::reset_prediction() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   order_ = UnpackOrder();
   prefetch_cursor_ = 0;
+  // What the last model evicted says nothing of the next (Note [Copies ahead]).
+  evicted_this_iteration_ = 0;
+  evicted_last_iteration_ = 0;
 }
 
 std::string ResidencyManager::describe_evictable() const {

@@ -25,6 +25,7 @@
 
 #include "core/backend.h"
 #include "core/caching_allocator.h"
+#include "core/policy/copy_in_backlog.h"
 #include "core/policy/director.h"
 #include "core/policy/filters.h"
 #include "core/policy/neighbourhood.h"
@@ -178,8 +179,23 @@ class ResidencyManager final : public Evictor {
   void wait_for_arrival(ResidencyEntry* entry, Stream stream, bool was_prefetched);
   std::vector<EvictionCandidate> candidates(int64_t min_next_use);
   // The candidate's facts (the filter scores them) and the director's choice
-  // for it (also returned through `decision` when given).
-  EvictionCandidate make_candidate(ResidencyEntry* entry, Decision* decision = nullptr);
+  // for it (also returned through `decision` when given), its copy-in priced
+  // against `backlog` when given (Note [Copy-in backlog]).
+  EvictionCandidate make_candidate(ResidencyEntry* entry, Decision* decision = nullptr,
+                                   const CopyInBacklog* backlog = nullptr);
+  // Backward's copy-ins as they stand: the entries on host with a predicted
+  // use, and with `with_planned` also those with a host copy or one under
+  // way, as if evicted (Note [Copies ahead]).
+  CopyInBacklog copy_in_backlog(bool with_planned) const;
+  // Seconds between the start of copy-ins (now in backward, the end of
+  // forward during it) and a use `distance` predicted unpacks away.
+  double seconds_available_for_copy_in(int64_t distance) const;
+  // Note [Copies ahead]: starts copy-outs during forward, below the
+  // watermark, of entries likely to be evicted whose copy-in backward can hide.
+  void start_copies_ahead();
+  // Seconds the entry would cost to bring back without a host copy: its
+  // copy over the link, or its replay when cheaper and allowed.
+  double loss_without_host_copy(const ResidencyEntry* entry) const;
   bool ensure_host_slot(ResidencyEntry* entry);
   // Drops the entry's prefetch mark and its share of the window; returns
   // whether it was marked.
@@ -219,7 +235,8 @@ class ResidencyManager final : public Evictor {
   double recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
   std::vector<uint64_t> dropped_neighbours(const ResidencyEntry* entry) const;
   double seconds_until_next_use(const EvictionCandidate& candidate) const;
-  Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate) const;
+  Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate,
+                      const CopyInBacklog* backlog = nullptr) const;
   size_t drop_for_recompute(ResidencyEntry* entry);
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
@@ -246,6 +263,8 @@ class ResidencyManager final : public Evictor {
   std::chrono::steady_clock::time_point last_pack_{};
   std::chrono::steady_clock::time_point last_unpack_{};
   uint64_t packs_last_iteration_ = 0;
+  size_t evicted_this_iteration_ = 0;             // device bytes evicted (swapped or dropped)
+  size_t evicted_last_iteration_ = 0;             // the same, over the previous iteration
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
   std::vector<ResidencyEntry*> by_seq_;           // this iteration's entries by pack seq
   UnpackOrder order_;

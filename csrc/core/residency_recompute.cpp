@@ -110,7 +110,8 @@ double ResidencyManager::seconds_until_next_use(const EvictionCandidate& c) cons
   return seconds;
 }
 
-Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const EvictionCandidate& c) const {
+Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const EvictionCandidate& c,
+                                      const CopyInBacklog* backlog) const {
   VictimFacts facts;
   facts.bytes = entry->bytes();
   facts.host_valid = entry->host_valid_;
@@ -120,12 +121,20 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
   facts.recomputable = entry->recomputable_;
   facts.recompute_seconds = c.recompute_seconds;
   facts.link_bytes_per_s = link_bytes_per_s_;
+  bool own_copy_reached = false;
   for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_out) facts.d2h_queued_bytes += busy->bytes();
+    // An entry whose own copy-out is under way waits only for the copies
+    // queued before it and its own (counted as facts.bytes).
+    if (busy == entry) own_copy_reached = true;
+    if (busy->state_ == Residency::swapping_out && !own_copy_reached) facts.d2h_queued_bytes += busy->bytes();
     if (busy->state_ == Residency::swapping_in) facts.h2d_queued_bytes += busy->bytes();
     // (a replay ahead on a side stream, recomputing, is no copy)
   }
   facts.seconds_until_next_use = seconds_until_next_use(c);
+  if (backlog != nullptr && c.next_use_distance >= 0 && unpack_interval_s_ > 0.0) {
+    facts.copy_in_stall_seconds =
+        backlog->added_stall_seconds(seconds_available_for_copy_in(c.next_use_distance), entry->bytes());
+  }
   return decide(facts, allowed_);
 }
 
@@ -148,6 +157,7 @@ size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   ++dropped_entries_;
   neighbourhoods_.add(entry->id(), entry->replay_seconds_, dropped_neighbours(entry));
   counters_.evicted_bytes += entry->bytes();
+  evicted_this_iteration_ += entry->bytes();
   ++counters_.eviction_count;
   ++counters_.drop_count;
   return entry->bytes();
@@ -175,10 +185,11 @@ void ResidencyManager::note_rebuilt(ResidencyEntry* entry, double seconds) {
 void ResidencyManager::log_decision(const ResidencyEntry* entry, const EvictionCandidate& c,
                                     const Decision& d) const {
   std::fprintf(stderr,
-               "membudget: evict %s id=%llu iteration=%llu seq=%llu next_use=%lld policy=%s action=%s "
+               "membudget: evict %s id=%llu iteration=%llu phase=%s seq=%llu next_use=%lld policy=%s action=%s "
                "reason=\"%s\" swap_stall=%.3fms recompute=%.3fms\n",
                format_bytes(entry->bytes()).c_str(), (unsigned long long)entry->id(),
-               (unsigned long long)entry->iteration_, (unsigned long long)entry->pack_seq_,
+               (unsigned long long)entry->iteration_, unpacked_since_pack_ ? "backward" : "forward",
+               (unsigned long long)entry->pack_seq_,
                (long long)c.next_use_distance, filter_->name(), action_name(d.action), d.reason,
                d.swap_stall_seconds * 1e3, d.recompute_stall_seconds * 1e3);
 }

@@ -17,6 +17,7 @@
 #include "core/caching_allocator.h"
 #include "core/host_backend.h"
 #include "core/out_of_memory.h"
+#include "core/policy/copy_in_backlog.h"
 #include "core/policy/director.h"
 #include "core/policy/filters.h"
 #include "core/policy/neighbourhood.h"
@@ -326,6 +327,7 @@ void bind_policy(py::module_& core) {
     if (f.contains("d2h_queued_bytes")) facts.d2h_queued_bytes = f["d2h_queued_bytes"].cast<size_t>();
     if (f.contains("h2d_queued_bytes")) facts.h2d_queued_bytes = f["h2d_queued_bytes"].cast<size_t>();
     if (f.contains("seconds_until_next_use")) facts.seconds_until_next_use = f["seconds_until_next_use"].cast<double>();
+    if (f.contains("copy_in_stall_seconds")) facts.copy_in_stall_seconds = f["copy_in_stall_seconds"].cast<double>();
     Decision d = decide(facts, AllowedActions::parse(actions));
     py::dict out;
     out["action"] = action_name(d.action);
@@ -334,6 +336,16 @@ void bind_policy(py::module_& core) {
     out["recompute_stall_seconds"] = d.recompute_stall_seconds;
     return out;
   }, py::arg("facts"), py::arg("actions") = "both", "The director's choice for one victim (facts as a dict).");
+  core.def("copy_in_added_stall", [](const std::vector<std::pair<double, size_t>>& on_host, size_t queued_bytes,
+                                     double link_bytes_per_s, double seconds_available, size_t bytes) {
+    CopyInBacklog backlog(queued_bytes, link_bytes_per_s);
+    for (const auto& need : on_host) backlog.add(need.first, need.second);
+    backlog.seal();
+    return py::make_tuple(backlog.stall_seconds(), backlog.added_stall_seconds(seconds_available, bytes));
+  }, py::arg("on_host"), py::arg("queued_bytes"), py::arg("link_bytes_per_s"), py::arg("seconds_available"),
+     py::arg("bytes"),
+     "Note [Copy-in backlog]: (stall of the entries on host, given as (seconds available, bytes), and what one "
+     "more entry would add to it).");
   core.def("filter_score", [](const std::string& name, const py::dict& f, uint64_t clock) {
     EvictionCandidate c;
     c.bytes = f["bytes"].cast<size_t>();

@@ -203,6 +203,13 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
         raise ValueError(f"unknown strategy {strategy!r}: known are {', '.join(STRATEGIES)}")
     n = len(trace.ops)
     prog = Program(tensor_bytes=[t.bytes for t in trace.tensors])
+    # Note [Op workspace] (membudget.tracer): an op's scratch memory is a
+    # tensor of its own, allocated just before the op and freed just after.
+    scratch: Dict[int, int] = {}
+    for op in trace.ops:
+        if op.workspace_bytes > 0:
+            scratch[op.index] = len(prog.tensor_bytes)
+            prog.tensor_bytes.append(int(op.workspace_bytes))
     for t in trace.tensors:
         if t.producer is None:
             prog.emit(Code.ALLOC, t.id)
@@ -223,6 +230,9 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
             seconds, inputs = table.get(t.id, (0.0, []))
             prog.replay_seconds.append(seconds)
             prog.replay_inputs.extend(inputs)
+            prog.replay_input_offsets.append(len(prog.replay_inputs))
+        for _ in scratch:  # never saved, never replayed
+            prog.replay_seconds.append(0.0)
             prog.replay_input_offsets.append(len(prog.replay_inputs))
     pack_code = {"manager": Code.PACK, "swap-all": Code.OFFLOAD_SYNC, "offload-prefetch": Code.OFFLOAD_ASYNC}
     unpack_code = Code.UNPACK if strategy == "manager" else Code.RESTORE
@@ -251,12 +261,12 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
     for i in range(n):
         for block, at in recompute_at.items():
             if at == i:
-                _emit_block_recompute(trace, prog, durations, block, dropped, at)
+                _emit_block_recompute(trace, prog, durations, block, dropped, at, scratch)
         for code, tid in before[i]:
             prog.emit(code, tid)
         for tid in trace.ops[i].outputs:
             prog.emit(Code.ALLOC, tid)
-        prog.emit(Code.COMPUTE, -1, durations[i])
+        _emit_with_scratch(prog, Code.COMPUTE, durations[i], scratch.get(i))
         for code, tid in after[i]:
             prog.emit(code, tid)
         for tid in trace.ops[i].outputs:
@@ -277,8 +287,17 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
     return prog
 
 
+def _emit_with_scratch(prog: Program, code: int, seconds: float, scratch_id: Optional[int]) -> None:
+    """One op's COMPUTE (or RECOMPUTE), inside its workspace's lifetime."""
+    if scratch_id is not None:
+        prog.emit(Code.ALLOC, scratch_id)
+    prog.emit(code, -1, seconds)
+    if scratch_id is not None:
+        prog.emit(Code.FREE, scratch_id)
+
+
 def _emit_block_recompute(trace: Trace, prog: Program, durations: Sequence[float], block: int,
-                          dropped: set, at: int) -> None:
+                          dropped: set, at: int, scratch: Dict[int, int]) -> None:
     """Re-run block ``block``'s forward ops before op ``at``: allocate the
     dropped saved tensors again (they then die where they originally died)
     and the temporaries that had died by ``at`` (freed after their last use
@@ -298,6 +317,6 @@ def _emit_block_recompute(trace: Trace, prog: Program, durations: Sequence[float
         for tid in op.outputs:
             if tid in dropped or tid in temporaries:
                 prog.emit(Code.ALLOC, tid)
-        prog.emit(Code.RECOMPUTE, -1, durations[op.index])
+        _emit_with_scratch(prog, Code.RECOMPUTE, durations[op.index], scratch.get(op.index))
         for tid in frees.get(op.index, []):
             prog.emit(Code.FREE, tid)

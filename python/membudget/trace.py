@@ -52,7 +52,11 @@ class TraceOp:
     """One aten op call. ``duration_s`` is measured when the trace ran on real
     tensors, else ``None`` (the simulator then uses the device model's
     roofline). ``block`` is the index of the top-level repeated block (a
-    transformer layer, a residual block) a forward op ran in, or ``None``."""
+    transformer layer, a residual block) a forward op ran in, or ``None``.
+    ``workspace_bytes``: memory the op allocated and freed inside itself
+    (a convolution's scratch buffers), measured when the trace ran on real
+    tensors with an allocator that counts (Note [Op workspace] in
+    :mod:`membudget.tracer`), else 0."""
 
     index: int
     name: str
@@ -66,11 +70,15 @@ class TraceOp:
     outputs: List[int] = field(default_factory=list)
     dtype: str = "float32"
     block: Optional[int] = None
+    workspace_bytes: int = 0
 
 
 _TENSOR_COLUMNS = ("bytes", "shape", "dtype", "producer", "saved", "dies_after", "kind")
 _OP_COLUMNS = ("name", "phase", "category", "flops", "bytes_read", "bytes_written", "duration_s",
-               "inputs", "outputs", "dtype", "block")
+               "inputs", "outputs", "dtype", "block", "workspace_bytes")
+# Columns added to version 1 after it was first written: optional on load
+# (older files lack them), and ignored by older readers, so no version bump.
+_OP_DEFAULTS = {"workspace_bytes": 0}
 
 
 @dataclass
@@ -161,7 +169,11 @@ class Trace:
                    for i in range(len(tc["bytes"]))]
         for t in tensors:
             t.shape = tuple(t.shape)
-        ops = [TraceOp(index=i, **{c: oc[c][i] for c in _OP_COLUMNS}) for i in range(len(oc["name"]))]
+        missing = [c for c in _OP_COLUMNS if c not in oc and c not in _OP_DEFAULTS]
+        if missing:
+            raise ValueError(f"trace is missing op columns {missing}")
+        ops = [TraceOp(index=i, **{c: oc[c][i] if c in oc else _OP_DEFAULTS[c] for c in _OP_COLUMNS})
+               for i in range(len(oc["name"]))]
         for op in ops:
             for tid in op.inputs:
                 tensors[tid].consumers.append(op.index)

@@ -37,7 +37,9 @@ Decision decide(const VictimFacts& f, const AllowedActions& allowed) {
   const double copy_out = f.host_valid ? 0.0 : (bytes + static_cast<double>(f.d2h_queued_bytes)) / bandwidth;
   const double copy_in = (bytes + static_cast<double>(f.h2d_queued_bytes)) / bandwidth;
   const double hidden = std::max(f.seconds_until_next_use, 0.0);
-  d.swap_stall_seconds = copy_out + std::max(copy_in - hidden, 0.0);
+  const double copy_in_stall = f.copy_in_stall_seconds >= 0.0 ? f.copy_in_stall_seconds
+                                                              : std::max(copy_in - hidden, 0.0);
+  d.swap_stall_seconds = copy_out + copy_in_stall;
   d.recompute_stall_seconds = f.recompute_seconds;
 
   const bool can_swap = allowed.swap && (f.host_valid || f.host_room);

@@ -6,7 +6,9 @@
 //   swap      copy-out on the allocation path (unless a host copy exists),
 //             behind whatever the D2H stream already queued, plus the part of
 //             the copy-in (behind the H2D queue) that the time until the
-//             tensor's predicted next use cannot hide;
+//             tensor's predicted next use cannot hide, or, when the manager
+//             knows backward's backlog, what the copy-in adds to backward's
+//             stall (Note [Copy-in backlog] in copy_in_backlog.h);
 //   recompute its replay time, including replays of dropped ancestors.
 // The smaller wins (a valid host copy only makes the copy-out free); a
 // victim that cannot be replayed is swapped, and one
@@ -37,6 +39,10 @@ struct VictimFacts {
   size_t d2h_queued_bytes = 0;
   size_t h2d_queued_bytes = 0;
   double seconds_until_next_use = -1.0; // -1: unknown (assume immediate)
+  // The copy-in's stall against backward's whole backlog (Note [Copy-in
+  // backlog]); -1: unknown, then the copy-in behind the H2D queue is
+  // hidden by seconds_until_next_use only.
+  double copy_in_stall_seconds = -1.0;
 };
 
 struct Decision {
