@@ -86,7 +86,7 @@ void ResidencyManager::start_copies_ahead() {
   // tensors; choosing from the previous iteration's evictions instead of
   // the current estimate missed Llama at 40% (the first iteration, without
   // a measured pace, evicts differently).
-  if (!allowed_.swap || unpacked_since_pack_ || !order_.has_prediction() || unpack_interval_s_ <= 0.0) return;
+  if (!config_.copies_ahead || !allowed_.swap || unpacked_since_pack_ || !order_.has_prediction() || unpack_interval_s_ <= 0.0) return;
   if (evicted_last_iteration_ == 0) return;
   size_t in_flight_out = 0;
   size_t planned = evicted_this_iteration_;

@@ -465,7 +465,7 @@ void ResidencyManager::issue_prefetches(Stream stream) {
   // unpack stalls came in the second; with a margin of 2 unpacks 48 ms, of 32
   // unpacks 31 ms (bench/RESULTS.md, "Simulated policies, run 5").
   const double margin_s = static_cast<double>(kLinkBehindUnpacks) * unpack_interval_s_;
-  const bool link_behind = unpack_interval_s_ > 0.0 &&
+  const bool link_behind = config_.copies_ahead && unpack_interval_s_ > 0.0 &&
                            copy_in_backlog(/*with_planned=*/false).max_lateness_seconds() > -margin_s;
   auto keep_link_busy = [&]() {
     if (!link_behind) return false;

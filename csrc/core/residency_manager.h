@@ -44,6 +44,18 @@ struct ManagerConfig {
   // Note [Recompute ahead]: the prefetcher also queues dropped entries for
   // replay ahead of use (within the same window).
   bool recompute_ahead = false;
+  // Note [Copies ahead where copies are free]: copy to host during forward
+  // ahead of need (Note [Copies ahead]), and keep a late H2D link busy past
+  // the prefetch window in backward (Note [Link behind]), only where a copy does not take
+  // compute's place: a GPU's copy engines, not the CPU backend's memcpy
+  // threads, which share the cores' memory bandwidth with compute (a copy
+  // beside compute slows it 15-30%, bench/RESULTS.md "Validation, run 2").
+  // Measured on the CPU (delta/both, interleaved processes, main with and
+  // without copies ahead): GPT-2 at 50% 1.032x -> 1.108x of plain PyTorch
+  // (swap-out 628 -> 812 MiB per run), CNN at 70% 0.892x -> 1.003x, at 50%
+  // 1.020x -> 1.073x. install() turns it on for CUDA only; the simulator
+  // by the device model (link_compute_share of 1).
+  bool copies_ahead = true;
 };
 
 struct ManagerStats {

@@ -68,6 +68,10 @@ void bind_sim(py::module_& m) {
         config.manager.link_bytes_per_s = link_bytes_per_s;
         config.manager.log_decisions = log_decisions;
         config.manager.recompute_ahead = recompute_ahead;
+        // Note [Copies ahead where copies are free]: as the runtime decides
+        // per device, the modelled device decides here: copies beside compute
+        // at full rate (the GPUs' copy engines) or not (cpu-host).
+        config.manager.copies_ahead = link_compute_share >= 1.0;
         config.side_stream_overlap = side_stream_overlap;
         config.iterations = iterations;
         config.expandable_segments = expandable_segments;

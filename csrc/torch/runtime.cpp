@@ -34,6 +34,7 @@ ManagerConfig manager_config(const RuntimeConfig& config) {
   m.actions = config.actions;
   m.link_bytes_per_s = config.link_bytes_per_s;
   m.recompute_ahead = config.recompute_ahead;
+  m.copies_ahead = config.copies_ahead;
   return m;
 }
 
@@ -50,6 +51,7 @@ RuntimeConfig config_from_dict(const py::dict& d) {
   if (d.contains("link_bytes_per_s")) c.link_bytes_per_s = d["link_bytes_per_s"].cast<double>();
   if (d.contains("expandable_segments")) c.expandable_segments = d["expandable_segments"].cast<bool>();
   if (d.contains("recompute_ahead")) c.recompute_ahead = d["recompute_ahead"].cast<bool>();
+  if (d.contains("copies_ahead")) c.copies_ahead = d["copies_ahead"].cast<bool>();
   return c;
 }
 

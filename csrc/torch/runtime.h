@@ -27,6 +27,8 @@ struct RuntimeConfig {
   bool expandable_segments = true;
   // Note [Recompute ahead]: resolved by install() ("auto" per device).
   bool recompute_ahead = false;
+  // Note [Copies ahead where copies are free] (residency_manager.h): set by install().
+  bool copies_ahead = true;
 };
 
 class Runtime {

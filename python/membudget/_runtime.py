@@ -163,6 +163,8 @@ def install(
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
         "expandable_segments": config.expandable_segments,
         "recompute_ahead": resolve_recompute_ahead(config.recompute_ahead, target.type),
+        # Note [Copies ahead where copies are free] (csrc/core/residency_manager.h).
+        "copies_ahead": target.type == "cuda",
     }
     if plan is not None and not config.records_lineage:
         raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")
