@@ -25,6 +25,28 @@ def _replay(program, budget, link=1e9, use_manager=False, policy="delta", **link
                                        0, 1.0, 1, record_timeline=True, **link_model)
 
 
+def _save(prog, t, seconds):
+    """Forward makes tensor ``t`` in ``seconds`` and autograd saves it."""
+    prog.emit(Code.ALLOC, t)
+    prog.emit(Code.COMPUTE, -1, seconds)
+    prog.emit(Code.PACK, t)
+    prog.emit(Code.RELEASE, t)
+
+
+def _use(prog, t, seconds):
+    """Backward unpacks ``t``, computes for ``seconds`` and frees it."""
+    prog.emit(Code.UNPACK, t)
+    prog.emit(Code.COMPUTE, -1, seconds)
+    prog.emit(Code.FREE, t)
+
+
+def _temporary(prog, t, seconds):
+    """A temporary ``t`` alive for one op of ``seconds``."""
+    prog.emit(Code.ALLOC, t)
+    prog.emit(Code.COMPUTE, -1, seconds)
+    prog.emit(Code.FREE, t)
+
+
 def test_sim_backend_time_by_hand():
     # One 100 MB tensor: 1 s of compute, a synchronous copy out at 1 GB/s
     # (0.1 s of stall), 2 s of compute, a copy back in (0.1 s), 0.5 s.
@@ -208,14 +230,9 @@ def test_a_budget_above_the_device_acts_as_the_device():
     size, n = 100_000_000, 10
     prog = Program(tensor_bytes=[size] * n)
     for i in range(n):
-        prog.emit(Code.ALLOC, i)
-        prog.emit(Code.COMPUTE, -1, 0.15)
-        prog.emit(Code.PACK, i)
-        prog.emit(Code.RELEASE, i)
+        _save(prog, i, 0.15)
     for i in reversed(range(n)):
-        prog.emit(Code.UNPACK, i)
-        prog.emit(Code.COMPUTE, -1, 0.3)
-        prog.emit(Code.FREE, i)
+        _use(prog, i, 0.3)
     capacity = 6 * size
     results = [load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
                                            capacity, 1e9, True, "delta", 0, 0.8, 2)
@@ -237,17 +254,10 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
     size_mb = [300, 50, 50, 700]
     prog = Program(tensor_bytes=[s * 1_000_000 for s in size_mb])
     for i in range(3):
-        prog.emit(Code.ALLOC, i)
-        prog.emit(Code.COMPUTE, -1, 0.5)
-        prog.emit(Code.PACK, i)
-        prog.emit(Code.RELEASE, i)
-    prog.emit(Code.ALLOC, 3)
-    prog.emit(Code.COMPUTE, -1, 0.5)
-    prog.emit(Code.FREE, 3)
+        _save(prog, i, 0.5)
+    _temporary(prog, 3, 0.5)
     for i in (2, 1, 0):
-        prog.emit(Code.UNPACK, i)
-        prog.emit(Code.COMPUTE, -1, 0.1)
-        prog.emit(Code.FREE, i)
+        _use(prog, i, 0.1)
     r = _manager_replay(prog, 800_000_000, prefetch_bytes=100_000_000)
     assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
@@ -285,20 +295,11 @@ def test_eviction_rewinds_the_prefetch_cursor():
     size = 100_000_000
     prog = Program(tensor_bytes=[size, size, size, 3 * size])
     for t in (0, 1, 2):  # X, A, B
-        prog.emit(Code.ALLOC, t)
-        prog.emit(Code.COMPUTE, -1, 0.1)
-        prog.emit(Code.PACK, t)
-        prog.emit(Code.RELEASE, t)
-    prog.emit(Code.UNPACK, 2)
-    prog.emit(Code.COMPUTE, -1, 0.1)
-    prog.emit(Code.FREE, 2)
-    prog.emit(Code.ALLOC, 3)
-    prog.emit(Code.COMPUTE, -1, 0.1)
-    prog.emit(Code.FREE, 3)
+        _save(prog, t, 0.1)
+    _use(prog, 2, 0.1)
+    _temporary(prog, 3, 0.1)
     for t in (1, 0):
-        prog.emit(Code.UNPACK, t)
-        prog.emit(Code.COMPUTE, -1, 0.5)
-        prog.emit(Code.FREE, t)
+        _use(prog, t, 0.5)
     r = _manager_replay(prog, budget=450_000_000, prefetch_bytes=200_000_000)
     assert r["feasible"] and r["eviction_count"] == 1 and r["swap_in_bytes"] == size
     assert r["prefetch_misses"] == 0 and r["prefetch_hits"] == 1
@@ -323,13 +324,9 @@ def test_a_large_request_finds_address_room_without_evicting():
             prog.emit(Code.RELEASE, t)
     for t in range(1, 9, 2):
         prog.emit(Code.FREE, t)
-    prog.emit(Code.ALLOC, 9)
-    prog.emit(Code.COMPUTE, -1, 0.01)
-    prog.emit(Code.FREE, 9)
+    _temporary(prog, 9, 0.01)
     for t in range(8, -1, -2):
-        prog.emit(Code.UNPACK, t)
-        prog.emit(Code.COMPUTE, -1, 0.01)
-        prog.emit(Code.FREE, t)
+        _use(prog, t, 0.01)
     # (No background copies: the watermark is the budget.)
     r = _manager_replay(prog, budget=950_000_000, capacity=1_000_000_000, high_watermark=1.0)
     assert r["feasible"] and r["peak_reserved_bytes"] <= 950_000_000
@@ -348,18 +345,11 @@ def test_forward_copies_ahead_make_a_later_eviction_free():
     # watermark is the budget.)
     prog = Program(tensor_bytes=[100_000_000, 10_000_000, 100_000_000])
     for t, seconds in ((0, 0.1), (1, 0.1)):
-        prog.emit(Code.ALLOC, t)
-        prog.emit(Code.COMPUTE, -1, seconds)
-        prog.emit(Code.PACK, t)
-        prog.emit(Code.RELEASE, t)
+        _save(prog, t, seconds)
     prog.emit(Code.COMPUTE, -1, 1.0)
-    prog.emit(Code.ALLOC, 2)
-    prog.emit(Code.COMPUTE, -1, 0.1)
-    prog.emit(Code.FREE, 2)
+    _temporary(prog, 2, 0.1)
     for t, seconds in ((1, 0.5), (0, 0.1)):
-        prog.emit(Code.UNPACK, t)
-        prog.emit(Code.COMPUTE, -1, seconds)
-        prog.emit(Code.FREE, t)
+        _use(prog, t, seconds)
     r = _manager_replay(prog, budget=150_000_000, prefetch_bytes=200_000_000, high_watermark=1.0)
     assert r["feasible"] and r["eviction_count"] == 1
     assert r["swap_out_bytes"] == r["swap_in_bytes"] == 100_000_000
@@ -383,19 +373,12 @@ def test_backward_pace_does_not_count_the_forward():
     prog.replay_seconds = [0.15, 0.0, 0.0, 0.0]
     prog.replay_input_offsets = [0, 0, 0, 0, 0]
     for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05)):
-        prog.emit(Code.ALLOC, t)
-        prog.emit(Code.COMPUTE, -1, seconds)
-        prog.emit(Code.PACK, t)
-        prog.emit(Code.RELEASE, t)
+        _save(prog, t, seconds)
     prog.emit(Code.UNPACK, 2)
-    prog.emit(Code.ALLOC, 3)
-    prog.emit(Code.COMPUTE, -1, 0.02)
-    prog.emit(Code.FREE, 3)
+    _temporary(prog, 3, 0.02)
     prog.emit(Code.FREE, 2)
     for t in (1, 0):
-        prog.emit(Code.UNPACK, t)
-        prog.emit(Code.COMPUTE, -1, 0.02)
-        prog.emit(Code.FREE, t)
+        _use(prog, t, 0.02)
     from membudget._native import load_extension
 
     r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
