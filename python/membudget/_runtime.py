@@ -224,14 +224,8 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         lineage.in_backward = True
         return native_unpack(handle)
 
-    side_stream = []  # the CUDA side stream of replays ahead, made on first use
-
-    def recompute(entry_id, ahead=False):
-        if ahead and device.type == "cuda":  # Note [Recompute ahead]
-            if not side_stream:
-                side_stream.append(torch.cuda.Stream(device))
-            return rebuild_entry_on_stream(lineage, entry_id, side_stream[0])
-        return rebuild_entry(lineage, entry_id)
+    recompute = _recompute_callback(device, lambda entry_id: rebuild_entry(lineage, entry_id),
+                                    lambda entry_id, stream: rebuild_entry_on_stream(lineage, entry_id, stream))
 
     for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step):
         hide_from_dynamo(function)
@@ -241,6 +235,22 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _lineage_mode.__enter__()
     _lineage = lineage
     _wrap_autograd_entry_points()
+
+
+def _recompute_callback(device: torch.device, rebuild, rebuild_on_stream):
+    """The manager's recompute callback for either recorder: ``rebuild(id)``
+    on demand, ``rebuild_on_stream(id, stream)`` for a replay ahead on CUDA,
+    on one side stream made on first use (Note [Recompute ahead])."""
+    side_stream = []
+
+    def recompute(entry_id, ahead=False):
+        if ahead and device.type == "cuda":
+            if not side_stream:
+                side_stream.append(torch.cuda.Stream(device))
+            return rebuild_on_stream(entry_id, side_stream[0])
+        return rebuild(entry_id)
+
+    return recompute
 
 
 def _push_native_recorder(native, plan, device: torch.device) -> None:
@@ -270,14 +280,7 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
         note_unpack()
         return native_unpack(handle)
 
-    side_stream = []  # the CUDA side stream of replays ahead, made on first use
-
-    def recompute(entry_id, ahead=False):
-        if ahead and device.type == "cuda":  # Note [Recompute ahead]
-            if not side_stream:
-                side_stream.append(torch.cuda.Stream(device))
-            return lineage.rebuild_on_stream(entry_id, side_stream[0])
-        return lineage.rebuild(entry_id)
+    recompute = _recompute_callback(device, lineage.rebuild, lineage.rebuild_on_stream)
 
     for function in (pack, unpack, recompute):
         hide_from_dynamo(function)
