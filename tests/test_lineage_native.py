@@ -211,3 +211,45 @@ def test_roofline_floor_on_recorded_costs_matches_the_python_recorders():
         assert recorder.describe(aten.tanh.default(a))[7] < 1e-3  # measured: the CPU timer alone
     finally:
         recorder.set_device_model(None)
+
+
+def _profiled_op_names(run):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return sorted(event.name for event in profile.events() if event.name.startswith("aten::"))
+
+
+def test_a_profiler_still_sees_the_ops_inside_recorded_ops():
+    # Note [Silenced children]: the recorder switches off only its own
+    # callback inside an op it records; a profiler's callback still sees
+    # the ops the kernel calls (mkldnn_convolution and the empties inside
+    # convolution, clamp_min inside relu).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+
+    def run():
+        model(x).sum()
+
+    run()
+    without = _profiled_op_names(run)
+    recorder = _install_cxx()
+    before = recorder.ops_recorded()
+    with_recorder = _profiled_op_names(run)
+    assert recorder.ops_recorded() > before
+    assert "aten::mkldnn_convolution" in without or "aten::_slow_conv2d_forward" in without
+    assert with_recorder == without
+
+
+def test_recording_goes_on_after_a_recorded_op_raises():
+    # A silenced op that raises still runs its end callback, which turns the
+    # recorder's callback back on: the ops after it are recorded.
+    recorder = _install_cxx()
+    a = torch.randn(4, 5, requires_grad=True)
+    recorder.trace(True)
+    with pytest.raises(RuntimeError):
+        torch.mm(a, torch.randn(4, 5))  # shapes do not match: raised inside the kernel
+    y = (a * 2).relu()
+    names = recorder.trace(False)
+    assert "aten::mul.Tensor" in names and "aten::relu.default" in names
+    assert recorder.describe(y) is not None

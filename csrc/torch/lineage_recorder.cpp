@@ -21,6 +21,20 @@
 // tests/test_lineage_native.py checks the recorded op sequence against the
 // Python mode's on the test models.
 //
+// Note [Silenced children]: the ops a blocking op's kernel calls (the
+// empties, _convolution and mkldnn_convolution inside convolution; about
+// three per recorded op on the CNN, two on GPT-2) are never recorded, yet
+// with the callback on each one costs a RecordFunction whose arguments and
+// outputs are boxed into IValues (int lists become heap-allocated lists)
+// and a push and pop of a frame. So once an op blocks its children, this
+// thread's callback is disabled until the op's end callback, which the
+// RecordFunction still runs (it holds the callbacks it started with), turns
+// it back on -- unless set_enabled(false) asked for it off meanwhile. Only
+// this callback is switched off: a profiler's callbacks still see every
+// nested op. The frame counting (t_blocking) stays as it was, for children
+// that run while the callback is on anyway (set_enabled(true) inside an op).
+// Measured: bench/RESULTS.md, "Lineage recording cost on the CNN" (branch cnnrec).
+//
 // Note [Lineage ownership]: Python's recorder leans on the garbage collector
 // for the cycles that in-place ops make (x.add_(f(x)): x's lineage holds the
 // add_ node, which reads f's output, whose producer reads x's lineage).
@@ -85,6 +99,7 @@ constexpr int64_t kForwardsKept = 2;
 // One RecordFunction on this thread's stack.
 struct Frame {
   bool blocks_children = false;
+  bool silenced = false;  // this callback is off for the op's children (Note [Silenced children])
   std::shared_ptr<OpNode> node;  // set while recording this op
   const OpInfo* info = nullptr;
   Clock::time_point start;
@@ -106,6 +121,9 @@ thread_local bool t_paused = false;
 // carries the callback to threads that run work for it (the autograd
 // engine's device threads, intra-op pools), which record nothing.
 thread_local bool t_recording = false;
+// What set_enabled() last asked for: a silenced op's end turns the callback
+// back on only if it is still wanted (Note [Silenced children]).
+thread_local bool t_enabled = true;
 
 bool is_plain(const at::Tensor& t) {
   return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
@@ -280,27 +298,39 @@ void capture_generator(const OpInfo& info, c10::ArrayRef<const c10::IValue> inpu
   node.generator = std::move(generator);
 }
 
+void begin_op(const at::RecordFunction& fn, size_t slot);
+
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   // By index, not reference: what runs below (a rescue's replay, the
   // generator's state tensor) may call ops, whose frames can move this one.
   const size_t slot = t_frames.size();
   t_frames.emplace_back();
+  begin_op(fn, slot);
+  if (t_frames[slot].blocks_children && t_handle) {
+    // Last, after any replay a rescue ran: those ops are paused anyway.
+    at::disableCallback(*t_handle);
+    t_frames[slot].silenced = true;
+  }
+  return nullptr;
+}
+
+void begin_op(const at::RecordFunction& fn, size_t slot) {
   if (t_blocking > 0 || t_paused || !t_recording ||
       c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
     // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
     // or code that hides its ops from dispatch modes (torch.tensor(data)).
-    return nullptr;
+    return;
   }
   const OpInfo* info = lookup_info(fn);
-  if (info == nullptr || info->kind == OpKind::kDecomposed) return nullptr;
+  if (info == nullptr || info->kind == OpKind::kDecomposed) return;
   t_frames[slot].blocks_children = true;
   ++t_blocking;
   if (info->kind == OpKind::kSkip || !c10::GradMode::is_enabled() ||
       torch::autograd::get_current_graph_task_id() != -1) {
-    return nullptr;  // backward, no_grad and optimizer steps are not recorded
+    return;  // backward, no_grad and optimizer steps are not recorded
   }
   c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
-  if (!all_plain(inputs)) return nullptr;  // tensor subclasses (fake, functional): not ours
+  if (!all_plain(inputs)) return;  // tensor subclasses (fake, functional): not ours
   RecorderState& s = state();
   Deferred deferred;  // Note [Recorder lock and the GIL]
   {
@@ -338,7 +368,6 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   deferred.run(s);
   // After the rescues (which may replay): they are not this op's time.
   t_frames[slot].start = Clock::now();
-  return nullptr;
 }
 
 void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t,
@@ -361,6 +390,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   Frame frame = std::move(t_frames.back());
   t_frames.pop_back();
   if (frame.blocks_children) --t_blocking;
+  if (frame.silenced && t_enabled && t_handle) at::reenableCallback(*t_handle);
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
   RecorderState& s = state();
@@ -474,6 +504,7 @@ void start_recording() {
   t_frames.clear();
   t_blocking = 0;
   t_recording = true;
+  t_enabled = true;
   t_handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_op_start, on_op_end)
                                             .needsInputs(true)
                                             .needsOutputs(true)
@@ -501,6 +532,7 @@ void bind_lineage(pybind11::module_& m) {
   sub.def("stop", &stop_recording, "Stop recording on this thread and forget unmanaged lineage.");
   sub.def("recording", [] { return t_handle.has_value(); }, "Whether this thread records.");
   sub.def("set_enabled", [](bool enabled) {
+    t_enabled = enabled;
     if (!t_handle) return;
     if (enabled) {
       at::reenableCallback(*t_handle);
