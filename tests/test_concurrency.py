@@ -53,7 +53,7 @@ def test_two_training_threads_share_a_budget_and_stay_exact():
         t.start()
     for t in threads:
         t.join()
-    assert not errors, errors
+    assert not errors, [str(e) for e in errors]
     stats = membudget.memory_stats()
     assert stats["swap_out_bytes"] > 0
     assert stats["reserved_bytes.all.peak"] <= 16 * MiB
