@@ -27,7 +27,12 @@ def test_training_under_half_the_unmanaged_peak_is_exact(make_workload):
     assert unbudgeted.stats["swap_out_bytes"] == 0
 
     budget = peak // 2
-    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget,
+    # Swap only: with both actions the director's choice follows measured
+    # replay times and link rates (kept across installs in one process), and
+    # what it drops is not prefetched (recompute ahead is off on the CPU): a
+    # likely cause of the CI run where both transformers prefetched nothing
+    # in three steps. Mixed runs are tested in test_training_recompute.py.
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="swap",
                           min_tensor_bytes=MIN_TENSOR_BYTES)
     assert_identical(reference, managed)
     stats = managed.stats
@@ -68,6 +73,7 @@ def test_a_forward_without_backward_before_install_leaves_prefetch_working():
     finally:
         membudget.uninstall()
 
-    managed = run_managed(work.build, work.batch, work.loss, 2, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES)
+    managed = run_managed(work.build, work.batch, work.loss, 2, budget=budget, actions="swap",
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
     assert managed.stats["swap_out_bytes"] > 0
     assert managed.per_step[1]["prefetch_hits"] > 0, managed.per_step
