@@ -158,6 +158,28 @@ def test_unbudgeted_run_needs_no_management(gpt_trace):
     assert rows[0].compute_s == pytest.approx(compute)
 
 
+def test_a_saved_output_no_forward_op_reads_is_released_once_packed():
+    # Note [Released when packed] (membudget.replay_program): max-pool
+    # indices are saved by the pool's backward node and read by no later
+    # forward op. Their release must follow their pack, or the pack's entry
+    # stays referenced (unevictable) through forward.
+    from membudget.replay_program import compile_program, op_durations
+
+    def setup():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.MaxPool2d(2),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 4))
+
+    trace = membudget.trace(lambda model: model(torch.randn(16, 3, 32, 32)).sum().backward(), setup=setup)
+    pool = next(op for op in trace.ops if op.name.startswith("aten.max_pool2d_with_indices"))
+    indices = pool.outputs[1]
+    assert trace.tensors[indices].saved
+    assert not [c for c in trace.tensors[indices].consumers if trace.ops[c].phase == "forward"]
+    prog = compile_program(trace, op_durations(trace, costs.device_model("h200")), "manager", min_tensor_bytes=1)
+    codes = [code for code, tid in zip(prog.codes, prog.tensors) if tid == indices]
+    assert Code.PACK in codes and Code.RELEASE in codes
+    assert codes.index(Code.PACK) < codes.index(Code.RELEASE), codes
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}
