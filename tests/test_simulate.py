@@ -472,3 +472,28 @@ def test_delta_counts_ancestors_a_replay_only_moves():
     r = _recompute_only_replay(prog, 250 * MiB)
     assert r["feasible"] and r["eviction_count"] == 2 and r["recompute_count"] == 2
     assert r["recompute_s"] == pytest.approx(0.02)
+
+
+def test_a_late_backlog_keeps_the_link_busy_past_the_window():
+    # Note [Link behind]. Forward saves E1..E4 (100 MB each); a 500 MB
+    # temporary under a 550 MB budget sends them to host; then twelve small
+    # tensors. Backward unpacks the small ones 0.05 s apart, then E4..E1 back
+    # to back, 0.05 s apart, over a 1 GB/s link (0.1 s a copy) with a 100 MB
+    # prefetch window. One by one each copy-in is due only shortly before its
+    # use (Note [Due prefetches]): held back by the window until then, E3,
+    # E2 and E1 are issued as each falls due, queue behind one another and
+    # arrive late (0.15 s of stall). Together they leave the link less than
+    # 32 unpacks of slack, so all four are issued at backward's first
+    # unpack and arrive in time.
+    prog = Program(tensor_bytes=[100_000_000] * 4 + [500_000_000] + [1_000_000] * 12)
+    for t in range(4):
+        _save(prog, t, 0.05)
+    _temporary(prog, 4, 0.05)
+    for t in range(5, 17):
+        _save(prog, t, 0.05)
+    for t in [*range(16, 4, -1), 3, 2, 1, 0]:
+        _use(prog, t, 0.05)
+    r = _manager_replay(prog, 550_000_000, prefetch_bytes=100_000_000)
+    assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
+    assert r["prefetch_hits"] == 4 and r["prefetch_misses"] == 0
+    assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
