@@ -497,3 +497,8 @@ def test_a_late_backlog_keeps_the_link_busy_past_the_window():
     assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
     assert r["prefetch_hits"] == 4 and r["prefetch_misses"] == 0
     assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_simulate_needs_two_iterations(gpt_trace):
+    with pytest.raises(ValueError, match="iterations must be at least 2"):
+        membudget.simulate(gpt_trace, ["50%"], ["delta"], "cpu-host", baselines=(), iterations=1)
