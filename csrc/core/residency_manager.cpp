@@ -65,28 +65,30 @@ void ResidencyManager::set_config(const ManagerConfig& config) {
   config_ = config;
 }
 
+void ResidencyManager::start_iteration() {
+  packs_last_iteration_ = packs_this_iteration_;
+  evicted_last_iteration_ = evicted_this_iteration_;
+  evicted_this_iteration_ = 0;
+  last_pack_ = {};
+  // Note [Unpack pace]: the first unpack of a backward follows a whole
+  // forward, not an op: measured from the previous backward's last unpack,
+  // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
+  // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
+  // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
+  // it every horizon the prefetcher and the director derive from it.
+  last_unpack_ = {};
+  ++iteration_;
+  order_.begin_iteration();
+  by_seq_.clear();
+  packs_this_iteration_ = 0;
+  prefetch_cursor_ = 0;
+  unpacked_since_pack_ = false;
+}
+
 void ResidencyManager::register_entry(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
-  if (unpacked_since_pack_) {  // Note [Iterations]
-    packs_last_iteration_ = packs_this_iteration_;
-    evicted_last_iteration_ = evicted_this_iteration_;
-    evicted_this_iteration_ = 0;
-    last_pack_ = {};
-    // Note [Unpack pace]: the first unpack of a backward follows a whole
-    // forward, not an op: measured from the previous backward's last unpack,
-    // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
-    // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
-    // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
-    // it every horizon the prefetcher and the director derive from it.
-    last_unpack_ = {};
-    ++iteration_;
-    order_.begin_iteration();
-    by_seq_.clear();
-    packs_this_iteration_ = 0;
-    prefetch_cursor_ = 0;
-    unpacked_since_pack_ = false;
-  }
+  if (unpacked_since_pack_) start_iteration();  // Note [Iterations]
   entry->registered_ = true;
   entry->state_ = Residency::resident;
   entry->iteration_ = iteration_;
@@ -481,10 +483,7 @@ void ResidencyManager::issue_prefetches(Stream stream) {
                            copy_in_backlog(/*with_planned=*/false).max_lateness_seconds() > -margin_s;
   auto keep_link_busy = [&]() {
     if (!link_behind) return false;
-    size_t h2d_queued = 0;
-    for (const ResidencyEntry* busy : in_flight_) {
-      if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
-    }
+    const size_t h2d_queued = queued_copy_bytes(Residency::swapping_in);
     return static_cast<double>(h2d_queued) / link_bytes_per_s_ < margin_s;
   };
   // Tries the entry predicted at `position`: 1 issued, 0 nothing to do
@@ -566,10 +565,7 @@ bool ResidencyManager::prefetch_is_due(const ResidencyEntry* entry, int64_t dist
   // waiting longer only adds stall: it is issued past the window. It still
   // needs room that evicts nothing needed sooner.
   if (unpack_interval_s_ <= 0.0) return false;
-  size_t h2d_queued = 0;
-  for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
-  }
+  const size_t h2d_queued = queued_copy_bytes(Residency::swapping_in);
   const double copy_s = static_cast<double>(h2d_queued + entry->bytes()) / link_bytes_per_s_;
   return copy_s >= static_cast<double>(distance) * unpack_interval_s_;
 }
@@ -613,10 +609,7 @@ void ResidencyManager::maybe_start_background_swaps() {
       releasable += entry->bytes();
     }
   }
-  size_t d2h_queued = 0;
-  for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_out) d2h_queued += busy->bytes();
-  }
+  size_t d2h_queued = queued_copy_bytes(Residency::swapping_out);
   for (const EvictionCandidate& c : candidates(-1)) {
     if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
     ResidencyEntry* entry = c.entry;
@@ -654,6 +647,7 @@ ManagerStats ResidencyManager::stats() const {
   s.iteration = iteration_;
   s.dropped_bytes = 0;
   s.link_bytes_per_s = link_bytes_per_s_;
+  s.prefetch_window_used_bytes = prefetch_outstanding_bytes_;
   s.live_entries = entries_.size();
   for (const ResidencyEntry* entry : entries_) {
     if (entry->host_copy_ != nullptr) s.host_tier_bytes += entry->bytes();
@@ -685,9 +679,15 @@ void ResidencyManager::reset_counters() {
 void ResidencyManager::reset_prediction() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   order_ = UnpackOrder();
-  prefetch_cursor_ = 0;
-  // What the last model evicted says nothing of the next (Note [Copies ahead]).
-  evicted_this_iteration_ = 0;
+  // A new run starts a new iteration, whatever the last run ended with: one
+  // that ended after packs with no unpack (a forward without backward)
+  // would otherwise number this run's packs after its own, and the order
+  // its backward records would name pack sequence numbers no entry of the
+  // next iteration has (measured: GPT-2 at half its peak on the CPU, no
+  // prefetch at all in the second step).
+  start_iteration();
+  // What the last model did says nothing of the next (Note [Copies ahead]).
+  packs_last_iteration_ = 0;
   evicted_last_iteration_ = 0;
 }
 

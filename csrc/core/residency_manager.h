@@ -76,6 +76,7 @@ struct ManagerStats {
   size_t prefetch_issued = 0;
   size_t prefetch_hits = 0;
   size_t prefetch_misses = 0;
+  size_t prefetch_window_used_bytes = 0;  // prefetches issued, not yet unpacked (a gauge)
   size_t host_tier_full = 0;         // evictions refused: host tier full
   double stall_seconds = 0.0;        // unpack waiting for a swap-in
   size_t drop_count = 0;             // evictions that dropped (to recompute)
@@ -205,7 +206,13 @@ class ResidencyManager final : public Evictor {
   // Backward's copy-ins as they stand: the entries on host with a predicted
   // use, and with `with_planned` also those with a host copy or one under
   // way, as if evicted (Note [Copies ahead]).
+  // Note [Iterations]: the order recorded so far becomes the prediction,
+  // pack sequence numbers restart at 0.
+  void start_iteration();
   CopyInBacklog copy_in_backlog(bool with_planned) const;
+  // Bytes of the copies in flight in `state`: swapping_out is what the D2H
+  // stream holds, swapping_in what the H2D stream holds.
+  size_t queued_copy_bytes(Residency state) const;
   // Seconds between the start of copy-ins (now in backward, the end of
   // forward during it) and a use `distance` predicted unpacks away.
   double seconds_available_for_copy_in(int64_t distance) const;
