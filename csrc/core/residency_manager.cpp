@@ -178,10 +178,12 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
   if (entry->recomputable_) {
     std::vector<uint64_t> visited;
     c.recompute_seconds = recompute_total(entry, visited);
+    c.replay_seconds = entry->replay_seconds_;
     c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
   c.seconds_until_next_use = seconds_until_next_use(c);
+  c.seconds_of_pressure = seconds_of_pressure();
   const Decision chosen = decide_for(entry, c, backlog);
   c.cost_seconds = chosen.chosen_seconds();
   c.swap_chosen = chosen.action == EvictionAction::swap;
@@ -189,9 +191,8 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
   return c;
 }
 
-std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use) {
-  FilterContext context{clock_, packs_this_iteration_};
-  std::vector<std::pair<double, EvictionCandidate>> scored;
+std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use, size_t bytes_wanted) {
+  std::vector<EvictionCandidate> result;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
@@ -203,8 +204,18 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
     }
     // While prefetching, only tensors needed later than the prefetched one may go.
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
-    scored.emplace_back(filter_->score(c, context), c);
+    result.push_back(c);
   }
+  rank_candidates(result.begin(), result.end(), bytes_wanted);
+  return result;
+}
+
+void ResidencyManager::rank_candidates(std::vector<EvictionCandidate>::iterator first,
+                                       std::vector<EvictionCandidate>::iterator last, size_t bytes_wanted) const {
+  FilterContext context{clock_, packs_this_iteration_, bytes_wanted};
+  std::vector<std::pair<double, EvictionCandidate>> scored;
+  scored.reserve(static_cast<size_t>(last - first));
+  for (auto it = first; it != last; ++it) scored.emplace_back(filter_->score(*it, context), *it);
   // Whatever the filter says, a tensor the prefetcher just brought in goes
   // last: evicting it before its use wastes both copies.
   // Ties (equal sizes and costs are common) break by pack order, so that a
@@ -217,10 +228,7 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
     if (x->iteration_ != y->iteration_) return x->iteration_ < y->iteration_;
     return x->pack_seq_ < y->pack_seq_;
   });
-  std::vector<EvictionCandidate> result;
-  result.reserve(scored.size());
-  for (auto& s : scored) result.push_back(s.second);
-  return result;
+  for (auto& s : scored) *first++ = s.second;
 }
 
 bool ResidencyManager::ensure_host_slot(ResidencyEntry* entry) {
@@ -304,7 +312,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
       if (in_flight_.empty()) break;
       synchronize();
     }
-    std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_);
+    std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_, bytes_needed - freed);
     // Allocator-aware (Coop): freeing the best-scored victims may leave a
     // large request in pieces. First look, in the filter's order, for one
     // victim whose block merges with free neighbours into a range that fits.
@@ -317,10 +325,14 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
         return freed + bytes;  // it fits now: nothing else needs to go
       }
     }
-    for (const EvictionCandidate& c : ordered) {
-      if (freed >= bytes_needed) break;
-      const void* block = c.entry->device_data();
-      size_t bytes = release_device_copy(c.entry, stream);
+    // Note [Bytes a request needs]: the filter ranks by what a victim frees
+    // of what is still missing, so the order is redone as that shrinks.
+    for (auto next = ordered.begin(); next != ordered.end() && freed < bytes_needed; ++next) {
+      if (next != ordered.begin() && filter_->weighs_bytes_wanted()) {
+        rank_candidates(next, ordered.end(), bytes_needed - freed);
+      }
+      const void* block = next->entry->device_data();
+      size_t bytes = release_device_copy(next->entry, stream);
       if (bytes > 0) released.push_back(block);
       freed += bytes;
     }
