@@ -3,8 +3,12 @@ overhead ratio to the optimal floor (target: at most 1.10) and against
 `dtr` (target: no worse), at 80/60/40% of each model's unbudgeted peak.
 The same simulation as ``bench_simulate.py table`` for those two policies.
 
-    PYTHONPATH=python python bench/sim_targets.py
+    PYTHONPATH=python python bench/sim_targets.py [--iterations N]
+
+``--iterations`` (default 2) is ``simulate``'s: the step runs N times and the
+last is measured (docs/simulator.md).
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,10 +21,14 @@ MODELS = ["gpt2", "bert", "resnet50", "lstm-nmt", "llama-7b"]
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description="issue 4's policy targets on h200")
+    parser.add_argument("--iterations", type=int, default=2, help="steps run per point; the last is measured")
+    iterations = parser.parse_args().iterations
     within = worse = total = 0
     print("| model | budget | delta | dtr | within 1.10x | no worse than dtr |\n|---|---|---|---|---|---|")
     for name in MODELS:
-        rows = simulate(trace_model(name), ["80%", "60%", "40%"], ["delta", "dtr"], "h200", baselines=(), floor=True)
+        rows = simulate(trace_model(name), ["80%", "60%", "40%"], ["delta", "dtr"], "h200", baselines=(), floor=True,
+                        iterations=iterations)
         by_budget = {}
         for row in rows:
             by_budget.setdefault(row.budget_bytes, {})[row.policy] = row

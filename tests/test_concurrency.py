@@ -34,11 +34,21 @@ def _train(seed: int, steps: int = 3):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+# Each thread keeps about 4.2 MiB that nothing can evict (parameters,
+# gradients, its input) and works on up to 4 MiB at once in backward (a
+# saved input and output, the gradient in and out); the two threads save
+# 24 MiB of activations between them. At 16 MiB both working sets at their
+# largest left 0.2 MiB to spare, and a backward that met the other thread's
+# largest moment failed with an OOM now and then (once in about 20 runs);
+# at 20 MiB the run still swaps 14-17 MiB out.
+BUDGET = 20 * MiB
+
+
 def test_two_training_threads_share_a_budget_and_stay_exact():
     torch.set_num_threads(1)  # identical kernels alone and concurrently
     reference = {seed: _train(seed) for seed in (1, 2)}
     native = load_extension()
-    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024)
+    membudget.install(budget=BUDGET, min_tensor_bytes=64 * 1024)
     results, errors = {}, []
 
     def worker(seed):
@@ -53,10 +63,10 @@ def test_two_training_threads_share_a_budget_and_stay_exact():
         t.start()
     for t in threads:
         t.join()
-    assert not errors, errors
+    assert not errors, [str(e) for e in errors]
     stats = membudget.memory_stats()
-    assert stats["swap_out_bytes"] > 0
-    assert stats["reserved_bytes.all.peak"] <= 16 * MiB
+    assert stats["swap_out_bytes"] > 4 * MiB, stats["swap_out_bytes"]
+    assert stats["reserved_bytes.all.peak"] <= BUDGET
     for seed in (1, 2):
         losses, params = results[seed]
         assert losses == reference[seed][0]

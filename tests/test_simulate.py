@@ -158,6 +158,28 @@ def test_unbudgeted_run_needs_no_management(gpt_trace):
     assert rows[0].compute_s == pytest.approx(compute)
 
 
+def test_a_saved_output_no_forward_op_reads_is_released_once_packed():
+    # Note [Released when packed] (membudget.replay_program): max-pool
+    # indices are saved by the pool's backward node and read by no later
+    # forward op. Their release must follow their pack, or the pack's entry
+    # stays referenced (unevictable) through forward.
+    from membudget.replay_program import compile_program, op_durations
+
+    def setup():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.MaxPool2d(2),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 4))
+
+    trace = membudget.trace(lambda model: model(torch.randn(16, 3, 32, 32)).sum().backward(), setup=setup)
+    pool = next(op for op in trace.ops if op.name.startswith("aten.max_pool2d_with_indices"))
+    indices = pool.outputs[1]
+    assert trace.tensors[indices].saved
+    assert not [c for c in trace.tensors[indices].consumers if trace.ops[c].phase == "forward"]
+    prog = compile_program(trace, op_durations(trace, costs.device_model("h200")), "manager", min_tensor_bytes=1)
+    codes = [code for code, tid in zip(prog.codes, prog.tensors) if tid == indices]
+    assert Code.PACK in codes and Code.RELEASE in codes
+    assert codes.index(Code.PACK) < codes.index(Code.RELEASE), codes
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}
@@ -386,3 +408,119 @@ def test_backward_pace_does_not_count_the_forward():
                                     prog.replay_input_offsets, prog.replay_inputs)
     assert r["feasible"] and r["eviction_count"] == 1
     assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
+
+
+def _recompute_only_replay(prog, budget, policy="delta"):
+    """Two iterations through the manager with recompute only (no copies,
+    no background swap-outs), measuring the second."""
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                       1 << 40, 1e9, True, policy, 0, 1.0, 2, "recompute", prog.replay_seconds,
+                                       prog.replay_input_offsets, prog.replay_inputs)
+
+
+def test_delta_values_no_memory_past_backwards_last_eviction():
+    # Note [Pressure horizon]. Forward saves B and A (100 MiB each; B
+    # replays in 0.03 s, A in 0.01 s) and a small W. Backward unpacks W,
+    # then a 100 MiB temporary needs room under a 250 MiB budget: A or B
+    # goes. A is needed next, B after it, and nothing is evicted later in
+    # backward (nor was in the previous iteration), so memory held free past
+    # this point serves nothing: the cheaper replay, A's, should go. Valued
+    # in byte-seconds up to each one's next use, B, needed later, would go:
+    # 0.03 s of replay instead of 0.01 s.
+    prog = Program(tensor_bytes=[100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB])  # B, A, W, temporary
+    prog.replay_seconds = [0.03, 0.01, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 5
+    for t in (0, 1, 2):
+        _save(prog, t, 0.1)
+    _use(prog, 2, 0.1)
+    _temporary(prog, 3, 0.1)
+    for t in (1, 0):
+        _use(prog, t, 0.1)
+    r = _recompute_only_replay(prog, 250 * MiB)
+    assert r["feasible"] and r["eviction_count"] == 1 and r["recompute_count"] == 1
+    assert r["recompute_s"] == pytest.approx(0.01)
+
+
+def test_delta_weighs_only_the_bytes_a_request_misses():
+    # Note [Bytes a request needs]. Forward saves L (100 MiB, replays in
+    # 0.02 s), S (40 MiB, 0.01 s) and a small W. Backward unpacks W, then a
+    # 30 MiB temporary needs room under a 160 MiB budget, the last eviction
+    # of backward: either victim frees the 30 MiB. Per second of replay L
+    # frees more bytes (5000 MiB/s against 4000), but 70 of its 100 MiB
+    # serve nothing; of what the request misses, S frees twice as much per
+    # second of replay. L would cost 0.02 s of replay, S costs 0.01 s.
+    prog = Program(tensor_bytes=[100 * MiB, 40 * MiB, 10 * MiB, 30 * MiB])  # L, S, W, temporary
+    prog.replay_seconds = [0.02, 0.01, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 5
+    for t in (0, 1, 2):
+        _save(prog, t, 0.1)
+    _use(prog, 2, 0.1)
+    _temporary(prog, 3, 0.1)
+    for t in (1, 0):
+        _use(prog, t, 0.1)
+    r = _recompute_only_replay(prog, 160 * MiB)
+    assert r["feasible"] and r["eviction_count"] == 1 and r["recompute_count"] == 1
+    assert r["recompute_s"] == pytest.approx(0.01)
+
+
+def test_delta_counts_ancestors_a_replay_only_moves():
+    # Note [Pressure horizon], ancestors. Forward saves A (100 MiB, replays
+    # in 0.01 s) and X (100 MiB, replayed from A in 0.01 s); a 100 MiB
+    # temporary under a 250 MiB budget drops A (needed last). Then Y (100
+    # MiB, 0.025 s) and a small W. Backward unpacks W; a 100 MiB temporary
+    # must drop X or Y, the last eviction of backward; Y is needed next, then
+    # X, then A. Replaying X rebuilds A too, but A, dropped, is replayed
+    # anyway: rebuilt with X it only comes back earlier, and stays, since no
+    # eviction follows. X adds 0.01 s (A counted once more as X's dropped
+    # neighbour, as in DTR: 0.02 s), less than Y's 0.025 s. Priced with A's
+    # replay in X's as well (0.03 s), Y would go: 0.035 s of replay in all
+    # instead of 0.02 s.
+    prog = Program(tensor_bytes=[100 * MiB, 100 * MiB, 100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB])
+    # A, X, forward temporary, Y, W, backward temporary
+    prog.replay_seconds = [0.01, 0.01, 0.0, 0.025, 0.0, 0.0]
+    prog.replay_input_offsets = [0, 0, 1, 1, 1, 1, 1]
+    prog.replay_inputs = [0]  # X is replayed from A
+    for t in (0, 1):
+        _save(prog, t, 0.1)
+    _temporary(prog, 2, 0.1)
+    for t in (3, 4):
+        _save(prog, t, 0.1)
+    _use(prog, 4, 0.1)
+    _temporary(prog, 5, 0.1)
+    for t in (3, 1, 0):
+        _use(prog, t, 0.1)
+    r = _recompute_only_replay(prog, 250 * MiB)
+    assert r["feasible"] and r["eviction_count"] == 2 and r["recompute_count"] == 2
+    assert r["recompute_s"] == pytest.approx(0.02)
+
+
+def test_a_late_backlog_keeps_the_link_busy_past_the_window():
+    # Note [Link behind]. Forward saves E1..E4 (100 MB each); a 500 MB
+    # temporary under a 550 MB budget sends them to host; then twelve small
+    # tensors. Backward unpacks the small ones 0.05 s apart, then E4..E1 back
+    # to back, 0.05 s apart, over a 1 GB/s link (0.1 s a copy) with a 100 MB
+    # prefetch window. One by one each copy-in is due only shortly before its
+    # use (Note [Due prefetches]): held back by the window until then, E3,
+    # E2 and E1 are issued as each falls due, queue behind one another and
+    # arrive late (0.15 s of stall). Together they leave the link less than
+    # 32 unpacks of slack, so all four are issued at backward's first
+    # unpack and arrive in time.
+    prog = Program(tensor_bytes=[100_000_000] * 4 + [500_000_000] + [1_000_000] * 12)
+    for t in range(4):
+        _save(prog, t, 0.05)
+    _temporary(prog, 4, 0.05)
+    for t in range(5, 17):
+        _save(prog, t, 0.05)
+    for t in [*range(16, 4, -1), 3, 2, 1, 0]:
+        _use(prog, t, 0.05)
+    r = _manager_replay(prog, 550_000_000, prefetch_bytes=100_000_000)
+    assert r["feasible"] and r["swap_in_bytes"] == 400_000_000
+    assert r["prefetch_hits"] == 4 and r["prefetch_misses"] == 0
+    assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_simulate_needs_two_iterations(gpt_trace):
+    with pytest.raises(ValueError, match="iterations must be at least 2"):
+        membudget.simulate(gpt_trace, ["50%"], ["delta"], "cpu-host", baselines=(), iterations=1)

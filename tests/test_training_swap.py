@@ -3,6 +3,9 @@ losses and parameters must equal plain PyTorch's bit for bit, the peak must
 stay within the budget, and activations must actually be swapped and
 prefetched back."""
 import pytest
+import torch
+
+import membudget
 
 from models import bert, gpt2, lstm
 from training import assert_identical, run_managed, run_plain
@@ -24,7 +27,12 @@ def test_training_under_half_the_unmanaged_peak_is_exact(make_workload):
     assert unbudgeted.stats["swap_out_bytes"] == 0
 
     budget = peak // 2
-    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget,
+    # Swap only: with both actions the director's choice follows measured
+    # replay times and link rates (kept across installs in one process), and
+    # what it drops is not prefetched (recompute ahead is off on the CPU): a
+    # likely cause of the CI run where both transformers prefetched nothing
+    # in three steps. Mixed runs are tested in test_training_recompute.py.
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="swap",
                           min_tensor_bytes=MIN_TENSOR_BYTES)
     assert_identical(reference, managed)
     stats = managed.stats
@@ -41,4 +49,31 @@ def test_training_under_half_the_unmanaged_peak_is_exact(make_workload):
     # prefetching is checked on the two transformers.
     if work.name != "lstm":
         first, last = managed.per_step[0], managed.per_step[-1]
-        assert last["prefetch_hits"] > first["prefetch_hits"]
+        assert last["prefetch_hits"] > first["prefetch_hits"], [
+            {k: step[k] for k in step if k.startswith(("prefetch", "swap", "recompute", "num_"))}
+            for step in managed.per_step]
+
+
+def test_a_forward_without_backward_before_install_leaves_prefetch_working():
+    """Note [Iterations] across installs: a run that ended after a forward
+    with no backward must not leave its pack numbering to the next run, or
+    that run's second step predicts pack numbers no entry has and prefetches
+    nothing."""
+    work = gpt2()
+    unbudgeted = run_managed(work.build, work.batch, work.loss, 1, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+
+    membudget.install(min_tensor_bytes=MIN_TENSOR_BYTES)
+    try:
+        torch.manual_seed(1)
+        model = work.build()
+        loss = work.loss(model, work.batch())  # packs, never unpacked
+        assert membudget.memory_stats()["live_handles"] > 0
+        del loss, model
+    finally:
+        membudget.uninstall()
+
+    managed = run_managed(work.build, work.batch, work.loss, 2, budget=budget, actions="swap",
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert managed.stats["swap_out_bytes"] > 0
+    assert managed.per_step[1]["prefetch_hits"] > 0, managed.per_step

@@ -20,6 +20,7 @@ void UnpackOrder::note_pressure() {
   const size_t position = current_.size();
   if (pressure_.size() <= position) pressure_.resize(position + 1, false);
   pressure_[position] = true;
+  last_pressure_ = std::max(last_pressure_, static_cast<int64_t>(position));
 }
 
 bool UnpackOrder::pressure_between(int64_t from, int64_t to) const {

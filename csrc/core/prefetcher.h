@@ -36,6 +36,9 @@ class UnpackOrder {
   void note_pressure();
   // Whether any position in [from, to] was ever marked.
   bool pressure_between(int64_t from, int64_t to) const;
+  // The last position ever marked (-1: none): where backward's pressure
+  // ends (Note [Pressure horizon] in policy/filters.h).
+  int64_t last_pressure_position() const { return last_pressure_; }
 
  private:
   std::vector<uint64_t> previous_;
@@ -43,6 +46,7 @@ class UnpackOrder {
   std::vector<uint64_t> current_;
   std::vector<int64_t> pressure_prefix_;  // pressure_prefix_[i]: marked positions before i (+1 sentinel)
   std::vector<bool> pressure_;            // marks of every iteration so far, by position
+  int64_t last_pressure_ = -1;            // the last true index of pressure_
 };
 
 }  // namespace membudget

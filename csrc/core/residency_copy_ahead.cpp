@@ -31,11 +31,16 @@ double ResidencyManager::seconds_available_for_copy_in(int64_t distance) const {
   return static_cast<double>(std::max<int64_t>(distance, 0)) * unpack_interval_s_;
 }
 
-CopyInBacklog ResidencyManager::copy_in_backlog(bool with_planned) const {
-  size_t queued = 0;
+size_t ResidencyManager::queued_copy_bytes(Residency state) const {
+  size_t bytes = 0;
   for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_in) queued += busy->bytes();
+    if (busy->state_ == state) bytes += busy->bytes();
   }
+  return bytes;
+}
+
+CopyInBacklog ResidencyManager::copy_in_backlog(bool with_planned) const {
+  const size_t queued = queued_copy_bytes(Residency::swapping_in);
   CopyInBacklog backlog(queued, link_bytes_per_s_);
   if (order_.has_prediction() && unpack_interval_s_ > 0.0) {
     const int64_t now = order_.current_position();
@@ -123,10 +128,7 @@ void ResidencyManager::start_copies_ahead() {
     return a.entry->pack_seq_ < b.entry->pack_seq_;
   });
   CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/true);
-  size_t d2h_queued = 0;
-  for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_out) d2h_queued += busy->bytes();
-  }
+  size_t d2h_queued = queued_copy_bytes(Residency::swapping_out);
   for (const Choice& choice : choices) {
     if (in_flight_out >= kMaxCopiesAhead || planned >= evicted_last_iteration_) break;
     ResidencyEntry* entry = choice.entry;

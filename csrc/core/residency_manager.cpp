@@ -65,28 +65,30 @@ void ResidencyManager::set_config(const ManagerConfig& config) {
   config_ = config;
 }
 
+void ResidencyManager::start_iteration() {
+  packs_last_iteration_ = packs_this_iteration_;
+  evicted_last_iteration_ = evicted_this_iteration_;
+  evicted_this_iteration_ = 0;
+  last_pack_ = {};
+  // Note [Unpack pace]: the first unpack of a backward follows a whole
+  // forward, not an op: measured from the previous backward's last unpack,
+  // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
+  // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
+  // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
+  // it every horizon the prefetcher and the director derive from it.
+  last_unpack_ = {};
+  ++iteration_;
+  order_.begin_iteration();
+  by_seq_.clear();
+  packs_this_iteration_ = 0;
+  prefetch_cursor_ = 0;
+  unpacked_since_pack_ = false;
+}
+
 void ResidencyManager::register_entry(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
-  if (unpacked_since_pack_) {  // Note [Iterations]
-    packs_last_iteration_ = packs_this_iteration_;
-    evicted_last_iteration_ = evicted_this_iteration_;
-    evicted_this_iteration_ = 0;
-    last_pack_ = {};
-    // Note [Unpack pace]: the first unpack of a backward follows a whole
-    // forward, not an op: measured from the previous backward's last unpack,
-    // the gap (0.7 s for Llama-7B on h200, under kMaxIntervalSeconds) entered
-    // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
-    // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
-    // it every horizon the prefetcher and the director derive from it.
-    last_unpack_ = {};
-    ++iteration_;
-    order_.begin_iteration();
-    by_seq_.clear();
-    packs_this_iteration_ = 0;
-    prefetch_cursor_ = 0;
-    unpacked_since_pack_ = false;
-  }
+  if (unpacked_since_pack_) start_iteration();  // Note [Iterations]
   entry->registered_ = true;
   entry->state_ = Residency::resident;
   entry->iteration_ = iteration_;
@@ -176,10 +178,12 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
   if (entry->recomputable_) {
     std::vector<uint64_t> visited;
     c.recompute_seconds = recompute_total(entry, visited);
+    c.replay_seconds = entry->replay_seconds_;
     c.neighbourhood_seconds = neighbourhoods_.cost_of(dropped_neighbours(entry));
   }
   c.copy_seconds = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
   c.seconds_until_next_use = seconds_until_next_use(c);
+  c.seconds_of_pressure = seconds_of_pressure();
   const Decision chosen = decide_for(entry, c, backlog);
   c.cost_seconds = chosen.chosen_seconds();
   c.swap_chosen = chosen.action == EvictionAction::swap;
@@ -187,9 +191,8 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
   return c;
 }
 
-std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use) {
-  FilterContext context{clock_, packs_this_iteration_};
-  std::vector<std::pair<double, EvictionCandidate>> scored;
+std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use, size_t bytes_wanted) {
+  std::vector<EvictionCandidate> result;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
   for (ResidencyEntry* entry : entries_) {
     if (!is_evictable(entry)) continue;
@@ -201,8 +204,18 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
     }
     // While prefetching, only tensors needed later than the prefetched one may go.
     if (min_next_use >= 0 && (c.next_use_distance < 0 || c.next_use_distance <= min_next_use)) continue;
-    scored.emplace_back(filter_->score(c, context), c);
+    result.push_back(c);
   }
+  rank_candidates(result.begin(), result.end(), bytes_wanted);
+  return result;
+}
+
+void ResidencyManager::rank_candidates(std::vector<EvictionCandidate>::iterator first,
+                                       std::vector<EvictionCandidate>::iterator last, size_t bytes_wanted) const {
+  FilterContext context{clock_, packs_this_iteration_, bytes_wanted};
+  std::vector<std::pair<double, EvictionCandidate>> scored;
+  scored.reserve(static_cast<size_t>(last - first));
+  for (auto it = first; it != last; ++it) scored.emplace_back(filter_->score(*it, context), *it);
   // Whatever the filter says, a tensor the prefetcher just brought in goes
   // last: evicting it before its use wastes both copies.
   // Ties (equal sizes and costs are common) break by pack order, so that a
@@ -215,10 +228,7 @@ std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use
     if (x->iteration_ != y->iteration_) return x->iteration_ < y->iteration_;
     return x->pack_seq_ < y->pack_seq_;
   });
-  std::vector<EvictionCandidate> result;
-  result.reserve(scored.size());
-  for (auto& s : scored) result.push_back(s.second);
-  return result;
+  for (auto& s : scored) *first++ = s.second;
 }
 
 bool ResidencyManager::ensure_host_slot(ResidencyEntry* entry) {
@@ -302,7 +312,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
       if (in_flight_.empty()) break;
       synchronize();
     }
-    std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_);
+    std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_, bytes_needed - freed);
     // Allocator-aware (Coop): freeing the best-scored victims may leave a
     // large request in pieces. First look, in the filter's order, for one
     // victim whose block merges with free neighbours into a range that fits.
@@ -315,10 +325,14 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
         return freed + bytes;  // it fits now: nothing else needs to go
       }
     }
-    for (const EvictionCandidate& c : ordered) {
-      if (freed >= bytes_needed) break;
-      const void* block = c.entry->device_data();
-      size_t bytes = release_device_copy(c.entry, stream);
+    // Note [Bytes a request needs]: the filter ranks by what a victim frees
+    // of what is still missing, so the order is redone as that shrinks.
+    for (auto next = ordered.begin(); next != ordered.end() && freed < bytes_needed; ++next) {
+      if (next != ordered.begin() && filter_->weighs_bytes_wanted()) {
+        rank_candidates(next, ordered.end(), bytes_needed - freed);
+      }
+      const void* block = next->entry->device_data();
+      size_t bytes = release_device_copy(next->entry, stream);
       if (bytes > 0) released.push_back(block);
       freed += bytes;
     }
@@ -469,10 +483,7 @@ void ResidencyManager::issue_prefetches(Stream stream) {
                            copy_in_backlog(/*with_planned=*/false).max_lateness_seconds() > -margin_s;
   auto keep_link_busy = [&]() {
     if (!link_behind) return false;
-    size_t h2d_queued = 0;
-    for (const ResidencyEntry* busy : in_flight_) {
-      if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
-    }
+    const size_t h2d_queued = queued_copy_bytes(Residency::swapping_in);
     return static_cast<double>(h2d_queued) / link_bytes_per_s_ < margin_s;
   };
   // Tries the entry predicted at `position`: 1 issued, 0 nothing to do
@@ -554,10 +565,7 @@ bool ResidencyManager::prefetch_is_due(const ResidencyEntry* entry, int64_t dist
   // waiting longer only adds stall: it is issued past the window. It still
   // needs room that evicts nothing needed sooner.
   if (unpack_interval_s_ <= 0.0) return false;
-  size_t h2d_queued = 0;
-  for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_in) h2d_queued += busy->bytes();
-  }
+  const size_t h2d_queued = queued_copy_bytes(Residency::swapping_in);
   const double copy_s = static_cast<double>(h2d_queued + entry->bytes()) / link_bytes_per_s_;
   return copy_s >= static_cast<double>(distance) * unpack_interval_s_;
 }
@@ -601,10 +609,7 @@ void ResidencyManager::maybe_start_background_swaps() {
       releasable += entry->bytes();
     }
   }
-  size_t d2h_queued = 0;
-  for (const ResidencyEntry* busy : in_flight_) {
-    if (busy->state_ == Residency::swapping_out) d2h_queued += busy->bytes();
-  }
+  size_t d2h_queued = queued_copy_bytes(Residency::swapping_out);
   for (const EvictionCandidate& c : candidates(-1)) {
     if (releasable >= excess || in_flight_.size() >= kMaxBackgroundCopies) break;
     ResidencyEntry* entry = c.entry;
@@ -642,6 +647,7 @@ ManagerStats ResidencyManager::stats() const {
   s.iteration = iteration_;
   s.dropped_bytes = 0;
   s.link_bytes_per_s = link_bytes_per_s_;
+  s.prefetch_window_used_bytes = prefetch_outstanding_bytes_;
   s.live_entries = entries_.size();
   for (const ResidencyEntry* entry : entries_) {
     if (entry->host_copy_ != nullptr) s.host_tier_bytes += entry->bytes();
@@ -673,9 +679,15 @@ void ResidencyManager::reset_counters() {
 void ResidencyManager::reset_prediction() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   order_ = UnpackOrder();
-  prefetch_cursor_ = 0;
-  // What the last model evicted says nothing of the next (Note [Copies ahead]).
-  evicted_this_iteration_ = 0;
+  // A new run starts a new iteration, whatever the last run ended with: one
+  // that ended after packs with no unpack (a forward without backward)
+  // would otherwise number this run's packs after its own, and the order
+  // its backward records would name pack sequence numbers no entry of the
+  // next iteration has (measured: GPT-2 at half its peak on the CPU, no
+  // prefetch at all in the second step).
+  start_iteration();
+  // What the last model did says nothing of the next (Note [Copies ahead]).
+  packs_last_iteration_ = 0;
   evicted_last_iteration_ = 0;
 }
 

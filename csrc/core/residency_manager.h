@@ -76,6 +76,7 @@ struct ManagerStats {
   size_t prefetch_issued = 0;
   size_t prefetch_hits = 0;
   size_t prefetch_misses = 0;
+  size_t prefetch_window_used_bytes = 0;  // prefetches issued, not yet unpacked (a gauge)
   size_t host_tier_full = 0;         // evictions refused: host tier full
   double stall_seconds = 0.0;        // unpack waiting for a swap-in
   size_t drop_count = 0;             // evictions that dropped (to recompute)
@@ -189,7 +190,14 @@ class ResidencyManager final : public Evictor {
   // materialize(): waits on the entry's copy_event_ (a swap-in, or a replay
   // ahead on a side stream), counting the stall and the prefetch hit.
   void wait_for_arrival(ResidencyEntry* entry, Stream stream, bool was_prefetched);
-  std::vector<EvictionCandidate> candidates(int64_t min_next_use);
+  // Evictable entries the director may release, best victim first for a
+  // request still missing `bytes_wanted` (0: unknown), sparing those needed
+  // no later than `min_next_use` unpacks from now (-1: none spared).
+  std::vector<EvictionCandidate> candidates(int64_t min_next_use, size_t bytes_wanted = 0);
+  // Sorts [first, last) in the filter's order for a request still missing
+  // `bytes_wanted` (Note [Bytes a request needs]).
+  void rank_candidates(std::vector<EvictionCandidate>::iterator first,
+                       std::vector<EvictionCandidate>::iterator last, size_t bytes_wanted) const;
   // The candidate's facts (the filter scores them) and the director's choice
   // for it (also returned through `decision` when given), its copy-in priced
   // against `backlog` when given (Note [Copy-in backlog]).
@@ -198,7 +206,13 @@ class ResidencyManager final : public Evictor {
   // Backward's copy-ins as they stand: the entries on host with a predicted
   // use, and with `with_planned` also those with a host copy or one under
   // way, as if evicted (Note [Copies ahead]).
+  // Note [Iterations]: the order recorded so far becomes the prediction,
+  // pack sequence numbers restart at 0.
+  void start_iteration();
   CopyInBacklog copy_in_backlog(bool with_planned) const;
+  // Bytes of the copies in flight in `state`: swapping_out is what the D2H
+  // stream holds, swapping_in what the H2D stream holds.
+  size_t queued_copy_bytes(Residency state) const;
   // Seconds between the start of copy-ins (now in backward, the end of
   // forward during it) and a use `distance` predicted unpacks away.
   double seconds_available_for_copy_in(int64_t distance) const;
@@ -247,6 +261,9 @@ class ResidencyManager final : public Evictor {
   double recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
   std::vector<uint64_t> dropped_neighbours(const ResidencyEntry* entry) const;
   double seconds_until_next_use(const EvictionCandidate& candidate) const;
+  // Note [Pressure horizon]: in backward, predicted seconds until the last
+  // position where backward had to evict; -1 in forward or without a prediction.
+  double seconds_of_pressure() const;
   Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate,
                       const CopyInBacklog* backlog = nullptr) const;
   size_t drop_for_recompute(ResidencyEntry* entry);

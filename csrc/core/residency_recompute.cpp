@@ -110,6 +110,15 @@ double ResidencyManager::seconds_until_next_use(const EvictionCandidate& c) cons
   return seconds;
 }
 
+double ResidencyManager::seconds_of_pressure() const {
+  // Note [Pressure horizon] (policy/filters.h): only backward knows where its
+  // pressure ends; the marks are kept across iterations, so the end is the
+  // latest any backward has needed so far.
+  if (!order_.has_prediction() || !unpacked_since_pack_) return -1.0;
+  const int64_t now = order_.current_position();
+  return static_cast<double>(std::max<int64_t>(order_.last_pressure_position() - now, 0)) * unpack_interval_s_;
+}
+
 Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const EvictionCandidate& c,
                                       const CopyInBacklog* backlog) const {
   VictimFacts facts;

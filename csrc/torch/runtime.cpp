@@ -134,6 +134,7 @@ py::dict memory_stats() {
   d["prefetch_issued"] = m.prefetch_issued;
   d["prefetch_hits"] = m.prefetch_hits;
   d["prefetch_misses"] = m.prefetch_misses;
+  d["prefetch_window_used_bytes"] = m.prefetch_window_used_bytes;
   d["stall_seconds"] = m.stall_seconds;
   d["host_tier_full"] = m.host_tier_full;
   d["live_handles"] = m.live_entries;

@@ -87,7 +87,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
             window: int, actions: str = "swap", expandable_segments: bool = True,
             recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
-            record_timeline: bool = False) -> Dict[str, object]:
+            record_timeline: bool = False, iterations: int = 2) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
@@ -96,7 +96,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         program.tensor_bytes, program.codes, program.tensors, program.seconds, program.prologue_length,
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
         policy if strategy == "manager" else "delta", prefetch_bytes,
-        high_watermark, 2, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
+        high_watermark, iterations, actions, program.replay_seconds, program.replay_input_offsets, program.replay_inputs,
         log_decisions=_log_decisions(), expandable_segments=expandable_segments,
         recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap, record_timeline=record_timeline,
         link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
@@ -139,7 +139,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
              min_tensor_bytes: int = 1 << 20, prefetch_bytes: int = 256 << 20, high_watermark: float = 0.8,
              actions: str = "both", expandable_segments: bool = True,
              recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
-             offload_window: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
+             offload_window: int = 2, iterations: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
     """Simulate ``trace`` at each budget (bytes, ``"12GiB"`` or ``"60%"`` of
@@ -156,13 +156,19 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     :func:`membudget.replay_program.replay_costs`); ``side_stream_overlap`` is
     the share of a replay ahead that runs hidden behind backward on the side
     stream (an assumption, docs/simulator.md); ``offload_window`` is the number of
-    tensors ``offload-prefetch`` brings back ahead. ``measured`` picks measured
+    tensors ``offload-prefetch`` brings back ahead. ``iterations`` is how many
+    times the step runs (at least 2); the last is measured, predicted from
+    the one before it. The first runs without a prediction and tends to
+    replay more, so with 2 the measured step's prediction comes from that
+    odd one (docs/simulator.md). ``measured`` picks measured
     op durations over the roofline (default: when the trace has them and the
     device is ``cpu-host``). ``device_capacity`` overrides the device's memory
     (default: the model's; a budget above it is infeasible, as on the device).
     ``progress(done, total, label)`` is called after each replay. Returns one
     :class:`SimRow` per (policy or baseline, budget), budgets in the given
     order."""
+    if iterations < 2:
+        raise ValueError(f"iterations must be at least 2 (the manager predicts from the previous one), got {iterations}")
     model = costs.device_model(device) if isinstance(device, str) else device
     durations = op_durations(trace, model, measured)
     reference = unbudgeted_peak(trace, model) if any(isinstance(b, str) for b in budgets) else 0
@@ -190,7 +196,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
         strategy = "manager" if name not in BASELINES else name
         r = _replay(trace, durations, strategy, name, b, capacity, model, min_tensor_bytes, prefetch_bytes,
                     high_watermark, offload_window, actions, expandable_segments,
-                    recompute_ahead and strategy == "manager", side_stream_overlap)
+                    recompute_ahead and strategy == "manager", side_stream_overlap, iterations=iterations)
         step = float(r["total_s"])
         base = floors.get(b) or compute_total
         rows.append(SimRow(

@@ -25,17 +25,32 @@ class LargestFilter final : public Filter {
 class DeltaFilter final : public Filter {
  public:
   const char* name() const override { return "delta"; }
-  double score(const EvictionCandidate& c, const FilterContext&) const override {
+  bool weighs_bytes_wanted() const override { return true; }
+  double score(const EvictionCandidate& c, const FilterContext& ctx) const override {
     // Cost-aware Belady: memory freed, in byte-seconds until the predicted
     // next use, per second of what bringing it back costs. The time (not the
     // count of unpacks) is what matters: during forward every candidate is
     // away at least for the rest of forward, so the unpack order alone
     // overstated the gap between near and far ones. The cost is the
     // director's action plus, as in DTR, the replays of the evicted
-    // neighbourhood a drop would chain onto (Note [Delta score]).
-    const double horizon = c.seconds_until_next_use + kMinHorizonSeconds;
-    const double cost = c.cost_seconds + c.neighbourhood_seconds + kTinySeconds;
-    return static_cast<double>(c.bytes) * horizon / cost;
+    // neighbourhood a drop would chain onto (Note [Delta score]). Where
+    // backward's pressure is known to end, memory free past that point
+    // counts for nothing, nor do bytes the request does not miss, nor the
+    // replays of dropped ancestors that rebuilding it only brings forward
+    // (Note [Pressure horizon], Note [Bytes a request needs]).
+    const bool pressure_known = c.seconds_of_pressure >= 0.0;
+    const double until = pressure_known ? std::min(c.seconds_until_next_use, c.seconds_of_pressure)
+                                        : c.seconds_until_next_use;
+    const double bytes = static_cast<double>(c.bytes);
+    const double missing = pressure_known && ctx.bytes_wanted > 0
+                               ? std::min(bytes, static_cast<double>(ctx.bytes_wanted)) : bytes;
+    // What the request misses is needed now (hence the minimum horizon);
+    // the rest only helps while pressure lasts.
+    const double freed = missing * (until + kMinHorizonSeconds) + (bytes - missing) * until;
+    const bool ancestors_only_move = pressure_known && c.seconds_until_next_use >= c.seconds_of_pressure;
+    const double action = !c.swap_chosen && ancestors_only_move ? c.replay_seconds : c.cost_seconds;
+    const double cost = action + c.neighbourhood_seconds + kTinySeconds;
+    return freed / cost;
   }
   // Keeps the score ordered by bytes per second of cost when no pace has
   // been measured yet (first iteration: every horizon is 0).

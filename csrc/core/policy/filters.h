@@ -24,6 +24,39 @@
 // neighbourhood). Smallest cost per byte-second goes first (Belady weighted
 // by cost). Measured on h200 in the simulator (bench/RESULTS.md, run 3)
 // against the square root of the unpack distance it replaced.
+//
+// Note [Pressure horizon]: byte-seconds are worth something only while
+// memory is short. In backward, the previous iterations say where backward
+// last had to evict (Note [Eviction pressure] in prefetcher.h); past that
+// point memory freed serves no one, so a candidate's horizon is cut there
+// (EvictionCandidate::seconds_of_pressure). Without the cut, at the loss's
+// 1.5-2 GB requests at the start of backward (GPT-2, BERT on h200, the last
+// evictions of the step), delta dropped activations needed last in backward
+// with 3-4x the replay per byte of ones needed a few unpacks later, whose
+// memory would have been free just as long where it mattered. The same
+// knowledge settles what a drop costs: replaying it rebuilds its dropped
+// ancestors, but they are dropped and so replayed at their own use anyway;
+// rebuilt earlier they stay until then unless memory runs short in
+// between. When the candidate's next use lies past the end of pressure it
+// is priced by its own replay (the DTR neighbourhood term stays); before,
+// by its replay with theirs (recompute_seconds), as they may be dropped
+// again. Counting them always made delta keep 384 MiB activations with
+// long chains (8-10 ms priced, far less paid) and drop many small ones
+// needed soon (BERT at 40% on h200: 1.077 of the floor against 1.048).
+// Only in backward: in forward, where backward's pressure will fall depends
+// on what forward evicts (cut there too, Llama-7B at 40% went from 1.094
+// to 1.109 of the floor). Measured in the simulator (bench/RESULTS.md,
+// "delta against dtr on h200").
+//
+// Note [Bytes a request needs]: the eviction loop asks the filter again as
+// the bytes still missing shrink (FilterContext::bytes_wanted). Where the
+// pressure horizon says memory is short no longer than the request itself,
+// the bytes of a victim beyond what the request misses count only for the
+// rest of the pressure (often nothing), not as needed now: a 24.5 MiB
+// prefetch at ResNet-50 80% (h200) dropped a 98 MiB activation (0.106 ms
+// replay) where a 49 MiB one (0.058 ms) was enough. Not in forward, where
+// the excess serves the next requests (ResNet-50 at 80% then dropped 13
+// tensors of 24-98 MiB in place of 3 of 196 MiB: 1.029 of the floor, not 1.016).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -47,8 +80,13 @@ struct EvictionCandidate {
   // Predicted seconds until that use: the unpacks to it at the measured pace
   // of backward, plus what remains of forward (0 while nothing is measured).
   double seconds_until_next_use = 0.0;
+  // In backward, predicted seconds until the last position where backward
+  // had to evict, 0 once past it (Note [Pressure horizon]); -1 in forward
+  // and without a prediction: unknown.
+  double seconds_of_pressure = -1.0;
   bool recomputable = false;
   double recompute_seconds = 0.0;     // replay incl. dropped ancestors
+  double replay_seconds = 0.0;        // its own replay alone (Note [Pressure horizon])
   double neighbourhood_seconds = 0.0; // dtr: evicted-neighbourhood cost
   double cost_seconds = 0.0;          // the director's chosen action's stall
   double copy_seconds = 0.0;          // one copy over the host link (scale)
@@ -58,6 +96,9 @@ struct EvictionCandidate {
 struct FilterContext {
   uint64_t clock = 0;          // current logical clock
   uint64_t packs_this_iteration = 0;
+  // Bytes the request being served still misses (0: unknown, e.g. ranking
+  // for background copies); Note [Bytes a request needs].
+  size_t bytes_wanted = 0;
 };
 
 class Filter {
@@ -65,6 +106,9 @@ class Filter {
   virtual ~Filter() = default;
   virtual const char* name() const = 0;
   virtual double score(const EvictionCandidate& candidate, const FilterContext& context) const = 0;
+  // Whether score() reads FilterContext::bytes_wanted (then the eviction
+  // loop ranks again after each victim, Note [Bytes a request needs]).
+  virtual bool weighs_bytes_wanted() const { return false; }
 };
 
 // Names accepted by make_filter, in documentation order.
