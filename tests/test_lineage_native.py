@@ -87,7 +87,8 @@ def _mixed_forward():
 def test_cxx_recorder_records_the_ops_the_python_mode_sees(make_run):
     # Not installed: after an LSTM forward without backward run while
     # installed, a later test's unmanaged peak was seen to rise (52 -> 92 MB),
-    # which made its half-peak budget unattainable.
+    # which made its half-peak budget unattainable (the graph leaked; fixed
+    # by Note [Pack without a cycle], tested in test_training_swap.py).
     run = make_run()
     python = [_SAME_OP.get(name, name) for name in _python_names(run)]
     native = [_SAME_OP.get(name, name) for name in _native_names(run)]

@@ -2,6 +2,8 @@
 losses and parameters must equal plain PyTorch's bit for bit, the peak must
 stay within the budget, and activations must actually be swapped and
 prefetched back."""
+import gc
+
 import pytest
 import torch
 
@@ -77,3 +79,23 @@ def test_a_forward_without_backward_before_install_leaves_prefetch_working():
                           min_tensor_bytes=MIN_TENSOR_BYTES)
     assert managed.stats["swap_out_bytes"] > 0
     assert managed.per_step[1]["prefetch_hits"] > 0, managed.per_step
+
+
+def test_a_forward_without_backward_frees_its_saved_activations():
+    """Note [Pack without a cycle] (csrc/torch/saved_activation.cpp): a small
+    output saved by its own node was packed as itself, a reference cycle
+    through its grad_fn that kept a graph never backpropagated, and every
+    managed activation in it, alive."""
+    from membudget.models import cnn
+
+    work = cnn()
+    membudget.install(min_tensor_bytes=MIN_TENSOR_BYTES, actions="swap")
+    try:
+        model = work.build()
+        loss = work.loss(model, work.batch(torch.device("cpu")))
+        assert membudget.memory_stats()["live_handles"] > 0
+        del loss
+        gc.collect()
+        assert membudget.memory_stats()["live_handles"] == 0
+    finally:
+        membudget.uninstall()

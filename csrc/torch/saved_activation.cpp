@@ -287,7 +287,17 @@ std::string SavedActivation::state() const {
 py::object pack_saved_tensor(const at::Tensor& tensor) {
   Runtime* runtime = Runtime::get();
   if (runtime == nullptr || !runtime->managing() || !is_managed_candidate(tensor, *runtime)) {
-    return py::cast(tensor);
+    // Note [Pack without a cycle]: detached, not the tensor itself. An
+    // output saved by its own node and packed as itself holds that node
+    // through its grad_fn, and the node holds what was packed: a cycle
+    // outside Python's collector. A graph never backpropagated (a forward
+    // for a logged loss, an evaluation with grad on) then kept every saved
+    // activation alive, managed ones too (29 entries per CNN forward;
+    // identity hooks leak the same way in plain PyTorch). tensor_data()
+    // shares storage and version counter and, unlike detach(), is no op: the
+    // lineage recorder and profilers do not see it. Autograd rebuilds the
+    // variable on unpack.
+    return py::cast(tensor.tensor_data());
   }
   const c10::StorageImpl* impl = tensor.storage().unsafeGetStorageImpl();
   std::shared_ptr<StorageResidency> residency;

@@ -57,7 +57,7 @@ class SavedActivation {
 };
 
 // The pack hook: returns a SavedActivation for managed activations, the
-// tensor itself for everything else (parameters, small tensors, tensors whose
+// tensor detached (Note [Pack without a cycle]) for everything else (parameters, small tensors, tensors whose
 // memory is not ours, subclasses). Called with the GIL held.
 pybind11::object pack_saved_tensor(const at::Tensor& tensor);
 // The unpack hook: the inverse of pack_saved_tensor.
