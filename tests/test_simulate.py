@@ -420,6 +420,22 @@ def _recompute_only_replay(prog, budget, policy="delta"):
                                        prog.replay_input_offsets, prog.replay_inputs)
 
 
+def _last_eviction_program(tensor_bytes, replay_seconds):
+    """Forward saves tensors 0 and 1 (replayable in `replay_seconds`) and a
+    small 2; backward unpacks 2, then temporary 3 forces the step's last
+    eviction, then 1 and 0 are unpacked."""
+    prog = Program(tensor_bytes=tensor_bytes)
+    prog.replay_seconds = [*replay_seconds, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 5
+    for t in (0, 1, 2):
+        _save(prog, t, 0.1)
+    _use(prog, 2, 0.1)
+    _temporary(prog, 3, 0.1)
+    for t in (1, 0):
+        _use(prog, t, 0.1)
+    return prog
+
+
 def test_delta_values_no_memory_past_backwards_last_eviction():
     # Note [Pressure horizon]. Forward saves B and A (100 MiB each; B
     # replays in 0.03 s, A in 0.01 s) and a small W. Backward unpacks W,
@@ -429,15 +445,7 @@ def test_delta_values_no_memory_past_backwards_last_eviction():
     # this point serves nothing: the cheaper replay, A's, should go. Valued
     # in byte-seconds up to each one's next use, B, needed later, would go:
     # 0.03 s of replay instead of 0.01 s.
-    prog = Program(tensor_bytes=[100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB])  # B, A, W, temporary
-    prog.replay_seconds = [0.03, 0.01, 0.0, 0.0]
-    prog.replay_input_offsets = [0] * 5
-    for t in (0, 1, 2):
-        _save(prog, t, 0.1)
-    _use(prog, 2, 0.1)
-    _temporary(prog, 3, 0.1)
-    for t in (1, 0):
-        _use(prog, t, 0.1)
+    prog = _last_eviction_program([100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB], [0.03, 0.01])  # B, A, W, temporary
     r = _recompute_only_replay(prog, 250 * MiB)
     assert r["feasible"] and r["eviction_count"] == 1 and r["recompute_count"] == 1
     assert r["recompute_s"] == pytest.approx(0.01)
@@ -451,15 +459,7 @@ def test_delta_weighs_only_the_bytes_a_request_misses():
     # frees more bytes (5000 MiB/s against 4000), but 70 of its 100 MiB
     # serve nothing; of what the request misses, S frees twice as much per
     # second of replay. L would cost 0.02 s of replay, S costs 0.01 s.
-    prog = Program(tensor_bytes=[100 * MiB, 40 * MiB, 10 * MiB, 30 * MiB])  # L, S, W, temporary
-    prog.replay_seconds = [0.02, 0.01, 0.0, 0.0]
-    prog.replay_input_offsets = [0] * 5
-    for t in (0, 1, 2):
-        _save(prog, t, 0.1)
-    _use(prog, 2, 0.1)
-    _temporary(prog, 3, 0.1)
-    for t in (1, 0):
-        _use(prog, t, 0.1)
+    prog = _last_eviction_program([100 * MiB, 40 * MiB, 10 * MiB, 30 * MiB], [0.02, 0.01])  # L, S, W, temporary
     r = _recompute_only_replay(prog, 160 * MiB)
     assert r["feasible"] and r["eviction_count"] == 1 and r["recompute_count"] == 1
     assert r["recompute_s"] == pytest.approx(0.01)
