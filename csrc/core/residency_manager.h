@@ -203,12 +203,12 @@ class ResidencyManager final : public Evictor {
   // against `backlog` when given (Note [Copy-in backlog]).
   EvictionCandidate make_candidate(ResidencyEntry* entry, Decision* decision = nullptr,
                                    const CopyInBacklog* backlog = nullptr);
-  // Backward's copy-ins as they stand: the entries on host with a predicted
-  // use, and with `with_planned` also those with a host copy or one under
-  // way, as if evicted (Note [Copies ahead]).
   // Note [Iterations]: the order recorded so far becomes the prediction,
   // pack sequence numbers restart at 0.
   void start_iteration();
+  // Backward's copy-ins as they stand: the entries on host with a predicted
+  // use, and with `with_planned` also those with a host copy or one under
+  // way, as if evicted (Note [Copies ahead]).
   CopyInBacklog copy_in_backlog(bool with_planned) const;
   // Bytes of the copies in flight in `state`: swapping_out is what the D2H
   // stream holds, swapping_in what the H2D stream holds.

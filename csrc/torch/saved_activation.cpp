@@ -287,10 +287,10 @@ std::string SavedActivation::state() const {
 py::object pack_saved_tensor(const at::Tensor& tensor) {
   Runtime* runtime = Runtime::get();
   if (runtime == nullptr || !runtime->managing() || !is_managed_candidate(tensor, *runtime)) {
-    // Note [Pack without a cycle]: detached, not the tensor itself. An
-    // output saved by its own node and packed as itself holds that node
-    // through its grad_fn, and the node holds what was packed: a cycle
-    // outside Python's collector. A graph never backpropagated (a forward
+    // Note [Pack without a cycle]: an alias without autograd history, not
+    // the tensor itself. An output saved by its own node and packed as
+    // itself holds that node through its grad_fn, and the node holds what
+    // was packed: a cycle outside Python's collector. A graph never backpropagated (a forward
     // for a logged loss, an evaluation with grad on) then kept every saved
     // activation alive, managed ones too (29 entries per CNN forward;
     // identity hooks leak the same way in plain PyTorch). tensor_data()
