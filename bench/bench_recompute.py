@@ -179,6 +179,7 @@ class ModelBench:
                 drop_count=int(stats.get("drop_count", 0)),
                 swap_out=int(stats.get("swap_out_bytes", 0)),
                 evictions_wasted=int(stats.get("evictions_wasted", 0)),
+                policy_s_per_step=float(stats.get("policy_seconds", 0.0)) / self.args.steps,
                 mapped=int(stats.get("mapped_bytes_total", 0)),
                 unmapped=int(stats.get("unmapped_bytes_total", 0)),
                 moved=int(stats.get("moved_bytes_total", 0)),
@@ -275,7 +276,8 @@ def head_to_head(model: str, fractions: List[float], args) -> List[str]:
         dtr = [rows["dtr"]["ratio"] for rows in rounds]
         paired = [d / t for d, t in zip(delta, dtr)]
         counters = {policy: (statistics.median(rows[policy]["recompute_count"] for rows in rounds),
-                             statistics.median(rows[policy]["swap_out"] for rows in rounds) / MiB)
+                             statistics.median(rows[policy]["swap_out"] for rows in rounds) / MiB,
+                             statistics.median(rows[policy]["policy_s_per_step"] for rows in rounds) * 1e3)
                     for policy in ("delta", "dtr")}
         verdict = "met" if statistics.median(paired) <= 1.0 else "MISSED"
         lines.append(
@@ -285,7 +287,8 @@ def head_to_head(model: str, fractions: List[float], args) -> List[str]:
             f"{', '.join(f'{v:.3f}' for v in paired)}, median {statistics.median(paired):.3f}, delta faster in "
             f"{sum(v < 1.0 for v in paired)} of {len(paired)}; recomputes / swap-out MiB per run (median): "
             f"delta {counters['delta'][0]:g} / {counters['delta'][1]:.0f}, dtr {counters['dtr'][0]:g} / "
-            f"{counters['dtr'][1]:.0f}; delta no slower than dtr (median paired ratio <= 1): {verdict}")
+            f"{counters['dtr'][1]:.0f}; ranking victims, ms per step (median): delta {counters['delta'][2]:.2f}, "
+            f"dtr {counters['dtr'][2]:.2f}; delta no slower than dtr (median paired ratio <= 1): {verdict}")
         print(lines[-1], flush=True)
     return lines
 

@@ -57,6 +57,23 @@ def test_director_hard_rules(core):
         core.decide(dict(base), "drop")
 
 
+def test_a_victim_whose_copy_out_is_under_way_waits_for_it_either_way(core):
+    # Note [Copy under way]: its memory is read by the copy until the copy
+    # ends, so a drop frees nothing sooner than a swap; the wait is part of
+    # both stalls, and the choice turns on the copy-in against the replay.
+    facts = dict(bytes=100 * MiB, recomputable=True, link_bytes_per_s=1e9, recompute_seconds=0.01,
+                 seconds_until_next_use=10.0, d2h_queued_bytes=50 * MiB)
+    idle = core.decide(facts)
+    assert idle["recompute_stall_seconds"] == pytest.approx(0.01)
+    busy = core.decide(dict(facts, copy_out_in_flight=True))
+    wait = 150 * MiB / 1e9
+    assert busy["recompute_stall_seconds"] == pytest.approx(wait + 0.01)
+    assert busy["swap_stall_seconds"] == pytest.approx(wait)
+    assert busy["action"] == "swap"  # the copy-in is hidden 10 s ahead; the replay is not free
+    needed_now = core.decide(dict(facts, copy_out_in_flight=True, seconds_until_next_use=0.0))
+    assert needed_now["action"] == "recompute"
+
+
 def test_dtr_prefers_large_stale_cheap_victims(core):
     cheap = dict(bytes=MiB, last_access=0, cost_seconds=0.001)
     assert core.filter_score("dtr", cheap, 10) > core.filter_score("dtr", dict(cheap, cost_seconds=0.01), 10)

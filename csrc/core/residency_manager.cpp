@@ -12,6 +12,19 @@
 namespace membudget {
 namespace {
 
+// Adds the wall-clock time of its scope to a counter (ManagerStats::policy_seconds).
+class PolicyTimer {
+ public:
+  explicit PolicyTimer(double& total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~PolicyTimer() { total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  PolicyTimer(const PolicyTimer&) = delete;
+  PolicyTimer& operator=(const PolicyTimer&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // Background swap-outs in flight at once: enough to keep a copy stream busy
 // without flooding the host tier ahead of need.
 constexpr size_t kMaxBackgroundCopies = 8;
@@ -192,6 +205,7 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
 }
 
 std::vector<EvictionCandidate> ResidencyManager::candidates(int64_t min_next_use, size_t bytes_wanted) {
+  const PolicyTimer timer(counters_.policy_seconds);
   std::vector<EvictionCandidate> result;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
   for (ResidencyEntry* entry : entries_) {
@@ -329,6 +343,7 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
     // of what is still missing, so the order is redone as that shrinks.
     for (auto next = ordered.begin(); next != ordered.end() && freed < bytes_needed; ++next) {
       if (next != ordered.begin() && filter_->weighs_bytes_wanted()) {
+        const PolicyTimer timer(counters_.policy_seconds);
         rank_candidates(next, ordered.end(), bytes_needed - freed);
       }
       const void* block = next->entry->device_data();

@@ -90,6 +90,9 @@ struct ManagerStats {
   size_t recompute_ahead_failed = 0; // replays ahead that failed (no room): dropped again
   size_t recompute_ahead_wasted = 0; // rebuilt ahead, then evicted again before its use
   size_t evictions_wasted = 0;       // evictions that freed no usable range for their request
+  // Host time spent scoring and ranking eviction candidates (wall clock,
+  // also in the simulator): what the policy itself costs.
+  double policy_seconds = 0.0;
   double link_bytes_per_s = 0.0;     // measured host link bandwidth (EMA)
   uint64_t iteration = 0;
 };

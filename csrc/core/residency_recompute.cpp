@@ -124,6 +124,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
   VictimFacts facts;
   facts.bytes = entry->bytes();
   facts.host_valid = entry->host_valid_;
+  facts.copy_out_in_flight = entry->state_ == Residency::swapping_out;
   facts.host_room = entry->host_copy_ != nullptr ||
                     host_tier_.stats().reserved_current + entry->bytes() <= host_tier_.budget() ||
                     host_tier_.largest_free_or_reservable() >= entry->bytes();

@@ -320,6 +320,7 @@ void bind_policy(py::module_& core) {
     VictimFacts facts;
     facts.bytes = f["bytes"].cast<size_t>();
     facts.host_valid = f.contains("host_valid") && f["host_valid"].cast<bool>();
+    facts.copy_out_in_flight = f.contains("copy_out_in_flight") && f["copy_out_in_flight"].cast<bool>();
     facts.host_room = !f.contains("host_room") || f["host_room"].cast<bool>();
     facts.recomputable = f.contains("recomputable") && f["recomputable"].cast<bool>();
     if (f.contains("recompute_seconds")) facts.recompute_seconds = f["recompute_seconds"].cast<double>();

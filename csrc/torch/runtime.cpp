@@ -127,6 +127,7 @@ py::dict memory_stats() {
   d["dropped_bytes"] = m.dropped_bytes;
   d["planned_drops"] = m.planned_drops;
   d["evictions_wasted"] = m.evictions_wasted;
+  d["policy_seconds"] = m.policy_seconds;
   d["link_bytes_per_s"] = m.link_bytes_per_s;
   d["evicted_bytes"] = m.evicted_bytes;
   d["eviction_count"] = m.eviction_count;

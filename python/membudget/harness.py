@@ -77,6 +77,7 @@ _STAT_KEYS = (
     "dropped_bytes",
     "planned_drops",
     "evictions_wasted",
+    "policy_seconds",
     # Recompute ahead of use (issue 3 part 7).
     "recomputed_ahead_count",
     "recompute_ahead_failed",
@@ -100,6 +101,7 @@ _STEP_STAT_KEYS = (
     "stall_seconds",
     "recompute_count",
     "recompute_seconds",
+    "policy_seconds",
     "reserved_bytes.all.peak",
 )
 

@@ -28,7 +28,9 @@ def memory_stats() -> Dict[str, float]:
     docs/recompute.md "Recompute ahead"; with ``recompute_ahead_failed`` and
     ``recompute_ahead_wasted``), ``evicted_bytes``, ``prefetch_hits``,
     ``prefetch_misses``, ``prefetch_window_used_bytes`` (prefetches issued
-    and not yet unpacked: how full the prefetch window is), ``stall_seconds``, plus residency by state
+    and not yet unpacked: how full the prefetch window is), ``stall_seconds``,
+    ``policy_seconds`` (host time spent scoring and ranking eviction
+    candidates), plus residency by state
     (``resident_bytes``, ``host_bytes``, ``evictable_bytes``, ``in_use_bytes``)
     ``live_handles``, ``expandable_segments`` (whether device memory comes in
     expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``), the bytes

@@ -10,6 +10,8 @@
 //             knows backward's backlog, what the copy-in adds to backward's
 //             stall (Note [Copy-in backlog] in copy_in_backlog.h);
 //   recompute its replay time, including replays of dropped ancestors.
+// Both wait first for a copy-out of the victim already under way (Note
+// [Copy under way] in director.cpp).
 // The smaller wins (a valid host copy only makes the copy-out free); a
 // victim that cannot be replayed is swapped, and one
 // that finds the host tier full is recomputed. MEMBUDGET_ACTIONS restricts
@@ -32,6 +34,10 @@ struct AllowedActions {
 struct VictimFacts {
   size_t bytes = 0;
   bool host_valid = false;              // a complete host copy exists
+  // Its copy-out is under way (a background swap-out): the device memory
+  // is read by that copy and frees only once it ends, whatever the action
+  // (Note [Copy under way]).
+  bool copy_out_in_flight = false;
   bool host_room = true;                // the host tier can take it
   bool recomputable = false;
   double recompute_seconds = 0.0;
