@@ -524,3 +524,24 @@ def test_a_late_backlog_keeps_the_link_busy_past_the_window():
 def test_simulate_needs_two_iterations(gpt_trace):
     with pytest.raises(ValueError, match="iterations must be at least 2"):
         membudget.simulate(gpt_trace, ["50%"], ["delta"], "cpu-host", baselines=(), iterations=1)
+
+
+def test_backward_evicts_only_what_a_request_misses():
+    # Note [Request fits]. Forward saves A, B, C, D (60 MiB each, replayable)
+    # and a small W under a 300 MiB budget: 50 MiB stay free. Backward
+    # unpacks W, then a 150 MiB temporary asks the manager for its whole
+    # size. No single victim frees enough with the free 50 MiB (110), so
+    # victims go one by one, but two (120 + 50) make it fit: a third would
+    # be replayed for nothing.
+    prog = Program(tensor_bytes=[60 * MiB] * 4 + [10 * MiB, 150 * MiB])  # A, B, C, D, W, temporary
+    prog.replay_seconds = [0.01] * 4 + [0.0, 0.0]
+    prog.replay_input_offsets = [0] * 7
+    for t in range(5):
+        _save(prog, t, 0.1)
+    _use(prog, 4, 0.1)
+    _temporary(prog, 5, 0.1)
+    for t in (3, 2, 1, 0):
+        _use(prog, t, 0.1)
+    for policy in ("delta", "dtr"):
+        r = _recompute_only_replay(prog, 300 * MiB, policy)
+        assert r["feasible"] and r["eviction_count"] == 2 and r["recompute_count"] == 2, (policy, r)
