@@ -180,6 +180,20 @@ def test_a_saved_output_no_forward_op_reads_is_released_once_packed():
     assert codes.index(Code.PACK) < codes.index(Code.RELEASE), codes
 
 
+def test_a_tensor_saved_by_the_last_op_is_packed():
+    # The last op's saved output, with no pack recorded, is packed after that
+    # op (instructions placed after the last op were once dropped).
+    from membudget.replay_program import compile_program
+    from membudget.trace import Trace, TraceOp, TraceTensor
+
+    op = TraceOp(index=0, name="aten.relu.default", phase="forward", category="elementwise", flops=0,
+                 bytes_read=4 * MiB, bytes_written=4 * MiB, duration_s=1e-3, outputs=[0])
+    out = TraceTensor(id=0, bytes=4 * MiB, shape=(MiB,), dtype="float32", producer=0, saved=True, kind="activation")
+    prog = compile_program(Trace(ops=[op], tensors=[out]), [1e-3], "manager", min_tensor_bytes=1)
+    codes = [code for code, tid in zip(prog.codes, prog.tensors) if tid == 0]
+    assert codes == [Code.ALLOC, Code.PACK, Code.RELEASE, Code.FREE], codes
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}

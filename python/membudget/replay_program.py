@@ -294,6 +294,10 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
         for t_id in dying[i]:
             if t_id not in dropped or trace.ops[i].phase != "forward":
                 prog.emit(Code.FREE, t_id)
+    # A tensor the last op makes and autograd saves with no pack recorded
+    # (a step that ends in forward) is packed after that op.
+    for code, tid in before[n]:
+        prog.emit(code, tid)
     for t in trace.tensors:  # what the step keeps (gradients) is rebuilt next step
         if t.producer is not None and t.dies_after is None:
             prog.emit(Code.FREE, t.id)
