@@ -637,7 +637,7 @@ void ResidencyManager::maybe_start_background_swaps() {
   // without a copy must cover such a request too: the largest forward has
   // asked for, this iteration or the previous one. With the excess alone,
   // the CPU model's GPT-2 at 70% copied 1.6 ms per step synchronously in
-  // forward (a 16 MiB request against 1-5 MiB above the watermark).
+  // forward (16 MiB requests against a few MiB above the watermark).
   const size_t largest_request = std::max(largest_forward_request_, largest_forward_request_last_iteration_);
   const size_t excess = std::max(allocated - threshold, largest_request);
   size_t releasable = 0;  // device bytes that eviction could release without copying
