@@ -313,11 +313,12 @@ def test_copy_starts_a_latency_after_it_is_issued(compute_share):
     assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))
 
 
-def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8):
+def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8, **link_model):
     from membudget._native import load_extension
 
     return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
-                                       capacity, link, True, "delta", prefetch_bytes, high_watermark, 2)
+                                       capacity, link, True, "delta", prefetch_bytes, high_watermark, 2,
+                                       **link_model)
 
 
 def test_eviction_rewinds_the_prefetch_cursor():
@@ -559,3 +560,28 @@ def test_backward_evicts_only_what_a_request_misses():
     for policy in ("delta", "dtr"):
         r = _recompute_only_replay(prog, 300 * MiB, policy)
         assert r["feasible"] and r["eviction_count"] == 2 and r["recompute_count"] == 2, (policy, r)
+
+
+def test_background_copies_cover_the_largest_forward_request():
+    # Note [Background target]. Forward saves five 18 MB tensors under a
+    # 100 MB budget (watermark 80 MB), computes for 1 s while the link is
+    # idle, then a 40 MB temporary asks eviction for its whole size. Copying
+    # only the 10 MB above the watermark ahead leaves one host-backed victim
+    # (18 MB): two more go out on the allocation path, 36 ms at 1 GB/s. Once
+    # a forward has asked for 40 MB, the measured (second) iteration copies
+    # three victims during the idle second and the eviction waits for none
+    # (backward uses them 0.1 s apart: each copy ends well before its use).
+    # The link is the CPU's (copies beside compute at half rate), where no
+    # copies ahead (Note [Copies ahead]) would hide the first shortfall.
+    size = 18_000_000
+    prog = Program(tensor_bytes=[size] * 5 + [40_000_000])
+    for t in range(5):
+        _save(prog, t, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    _temporary(prog, 5, 0.01)
+    for t in range(4, -1, -1):
+        _use(prog, t, 0.1)
+    r = _manager_replay(prog, budget=100_000_000, link_compute_share=0.5)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000
+    assert r["swap_out_bytes"] >= 3 * size
+    assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r

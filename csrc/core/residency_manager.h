@@ -295,6 +295,10 @@ class ResidencyManager final : public Evictor {
   std::chrono::steady_clock::time_point last_pack_{};
   std::chrono::steady_clock::time_point last_unpack_{};
   uint64_t packs_last_iteration_ = 0;
+  // The largest request forward's evictions served, this iteration and the
+  // previous one (Note [Background target]).
+  size_t largest_forward_request_ = 0;
+  size_t largest_forward_request_last_iteration_ = 0;
   size_t evicted_this_iteration_ = 0;             // device bytes evicted (swapped or dropped)
   size_t evicted_last_iteration_ = 0;             // the same, over the previous iteration
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
