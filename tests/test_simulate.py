@@ -343,6 +343,30 @@ def test_eviction_rewinds_the_prefetch_cursor():
     assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_prefetch_waits_for_room_until_due():
+    # Note [Prefetch waits to evict]. Forward saves X, A1, A2, A3 (100 MB
+    # each); a 100 MB temporary sends X, needed after them, to host (450 MB
+    # budget, 1 GB/s link); then R is saved. Backward unpacks A3, A2, A1, X,
+    # R, 0.1 s apart. At A3's unpack X's copy-in (0.1 s) has no room but
+    # would take R's, needed after it: evicting R then costs a 0.1 s copy out
+    # on the allocation path. X's copy is not due before A2's unpack, when
+    # A3's memory is free: waiting evicts nothing and X still arrives in time.
+    size = 100_000_000
+    x, a1, a2, a3, temporary, r = range(6)
+    prog = Program(tensor_bytes=[size] * 6)
+    for t in (x, a1, a2, a3):
+        _save(prog, t, 0.1)
+    _temporary(prog, temporary, 0.1)
+    _save(prog, r, 0.1)
+    for t in (a3, a2, a1, x, r):
+        _use(prog, t, 0.1)
+    result = _manager_replay(prog, budget=450_000_000, prefetch_bytes=400_000_000, high_watermark=1.0)
+    assert result["feasible"] and result["eviction_count"] == 1
+    assert result["swap_out_bytes"] == result["swap_in_bytes"] == size
+    assert result["prefetch_hits"] == 1 and result["prefetch_misses"] == 0
+    assert result["stall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_a_large_request_finds_address_room_without_evicting():
     # Note [Address headroom]. Nine 100 MB tensors fill the device's 1 GB
     # range up to 900 MB; the odd ones are temporaries, freed, leaving
