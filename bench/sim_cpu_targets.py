@@ -43,7 +43,9 @@ def cached_device(cache: Path) -> costs.DeviceModel:
     if not path.exists():
         print("calibrating cpu-host (once; kept in", path, ")", flush=True)
         path.write_text(json.dumps(dataclasses.asdict(costs.device_model("cpu-host"))))
-    return costs.DeviceModel(**json.loads(path.read_text()))
+    fields = json.loads(path.read_text())
+    fields.setdefault("copies_ahead", False)  # kept before the field existed: cpu-host never copies ahead
+    return costs.DeviceModel(**fields)
 
 
 def cached_trace(cache: Path, name: str) -> Trace:

@@ -54,7 +54,11 @@ struct ManagerConfig {
   // without copies ahead): GPT-2 at 50% 1.032x -> 1.108x of plain PyTorch
   // (swap-out 628 -> 812 MiB per run), CNN at 70% 0.892x -> 1.003x, at 50%
   // 1.020x -> 1.073x. install() turns it on for CUDA only; the simulator
-  // by the device model (link_compute_share of 1).
+  // as the device model says (DeviceModel.copies_ahead: off for cpu-host,
+  // whatever its calibrated link_compute_share; deriving it from that share
+  // turned it on in the simulator on a quiet machine, where a lone copy
+  // beside compute measured full rate, and the predictions of issue 4's
+  // validation then swapped 111 MiB where the real CNN at 60% swapped 39).
   bool copies_ahead = true;
 };
 

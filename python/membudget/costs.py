@@ -79,6 +79,10 @@ class DeviceModel:
     #: The granularity of expandable segments' pages: a GPU's physical
     #: allocation granularity, or the OS page on the host backend.
     page_bytes: int = 2 << 20
+    #: Whether the runtime copies to host ahead of need on this device (Note
+    #: [Copies ahead where copies are free]): on a GPU's copy engines, not
+    #: with the host backend's memcpy threads, as ``install()`` decides.
+    copies_ahead: bool = True
 
     def flop_rate(self, dtype: Optional[torch.dtype]) -> float:
         """FLOP/s for arithmetic in ``dtype`` (fp32 when unknown)."""
@@ -182,7 +186,7 @@ def calibrate_cpu_host() -> DeviceModel:
         memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=link_rate, launch_s=launch, note=note,
         link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
         link_latency_s=link["latency_s"] if link else 0.0,
-        link_compute_share=link["compute_share"] if link else 1.0)
+        link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False)
 
 
 #: Copies of this size calibrate the host link: what the benches swap (saved

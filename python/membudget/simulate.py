@@ -100,7 +100,7 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         log_decisions=_log_decisions(), expandable_segments=expandable_segments,
         recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap, record_timeline=record_timeline,
         link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
-        link_latency_s=device.link_latency_s, page_bytes=device.page_bytes)
+        link_latency_s=device.link_latency_s, page_bytes=device.page_bytes, copies_ahead=device.copies_ahead)
 
 
 def _log_decisions() -> bool:
