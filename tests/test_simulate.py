@@ -622,7 +622,7 @@ def test_background_copies_cover_the_largest_forward_request():
     _temporary(prog, 5, 0.01)
     for t in range(4, -1, -1):
         _use(prog, t, 0.1)
-    r = _manager_replay(prog, budget=100_000_000, link_compute_share=0.5)
+    r = _manager_replay(prog, budget=100_000_000, link_compute_share=0.5, copies_ahead=False)
     assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000
     assert r["swap_out_bytes"] >= 3 * size
     assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r

@@ -1,8 +1,6 @@
 // membudget._C.sim: the simulator's replay driver (csrc/sim/replay.h) bound
 // for membudget/simulate.py. The program crosses as lists; the replay runs
 // with the GIL released (it never calls Python).
-#include <optional>
-
 #include <pybind11/stl.h>
 
 #include "core/policy/filters.h"
@@ -55,7 +53,7 @@ void bind_sim(py::module_& m) {
          std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments,
          bool log_decisions, bool recompute_ahead, double side_stream_overlap, bool record_timeline,
          double link_duplex_share, double link_compute_share, double link_latency_s, size_t page_bytes,
-         std::optional<bool> copies_ahead) {
+         bool copies_ahead) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
                               prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
                               std::move(replay_inputs)};
@@ -72,10 +70,9 @@ void bind_sim(py::module_& m) {
         config.manager.log_decisions = log_decisions;
         config.manager.recompute_ahead = recompute_ahead;
         // Note [Copies ahead where copies are free]: as the runtime decides
-        // per device, the modelled device decides here (DeviceModel.copies_ahead);
-        // unset (hand-built programs in tests), copies beside compute at full
-        // rate stand for a GPU's copy engines.
-        config.manager.copies_ahead = copies_ahead.value_or(link_compute_share >= 1.0);
+        // per device, the modelled device decides here (DeviceModel.copies_ahead),
+        // not the link's compute share.
+        config.manager.copies_ahead = copies_ahead;
         config.side_stream_overlap = side_stream_overlap;
         config.iterations = iterations;
         config.expandable_segments = expandable_segments;
@@ -99,7 +96,7 @@ void bind_sim(py::module_& m) {
       py::arg("replay_inputs") = std::vector<int64_t>{}, py::arg("expandable_segments") = true,
       py::arg("log_decisions") = false, py::arg("recompute_ahead") = false, py::arg("side_stream_overlap") = 0.25,
       py::arg("record_timeline") = false, py::arg("link_duplex_share") = 1.0, py::arg("link_compute_share") = 1.0,
-      py::arg("link_latency_s") = 0.0, py::arg("page_bytes") = 0, py::arg("copies_ahead") = py::none(),
+      py::arg("link_latency_s") = 0.0, py::arg("page_bytes") = 0, py::arg("copies_ahead") = true,
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");
