@@ -13,7 +13,10 @@ Delete them to re-measure. Prints, per cell, each policy's modelled step time
 over plain PyTorch's, its stall split into unpack waits and the rest (copy-outs
 and waits on the allocation path), recompute time and bytes swapped out.
 
-    PYTHONPATH=python python bench/sim_cpu_targets.py [--models gpt2,cnn,lstm] [--cache DIR]
+    PYTHONPATH=python python bench/sim_cpu_targets.py [--models gpt2,cnn,lstm] [--cache DIR] [--iterations N]
+
+``--iterations`` (default 2) is ``simulate``'s, as in ``sim_targets.py``: the
+step runs N times and the last is measured (docs/simulator.md).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ def main() -> int:
     parser.add_argument("--models", default="gpt2,cnn,lstm")
     parser.add_argument("--cache", default=str(ROOT / "build" / "sim_cpu_targets"),
                         help="where the traces and the calibrated device model are kept")
+    parser.add_argument("--iterations", type=int, default=2, help="steps run per point; the last is measured")
     args = parser.parse_args()
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -75,7 +79,7 @@ def main() -> int:
     met = total = 0
     for name in args.models.split(","):
         rows = simulate(cached_trace(cache, name), BUDGETS, POLICIES, device, baselines=(),
-                        min_tensor_bytes=MIN_TENSOR_BYTES)
+                        min_tensor_bytes=MIN_TENSOR_BYTES, iterations=args.iterations)
         by_budget: dict = {}
         for row in rows:
             by_budget.setdefault(row.budget_bytes, {})[row.policy] = row
