@@ -299,18 +299,54 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
 
 
-@pytest.mark.parametrize("compute_share", [1.0, 0.5])
-def test_copy_starts_a_latency_after_it_is_issued(compute_share):
-    # 10 ms of hand-off before the 0.1 s copy, on the closed-form path (GPU
-    # shares) and on the piecewise one.
+@pytest.mark.parametrize("compute_share, stall", [(1.0, 0.09), (0.5, 0.095)])
+def test_copy_starts_a_latency_after_it_is_issued(compute_share, stall):
+    # 10 ms of hand-off (the copy worker's wake-up) before a 0.1 s copy issued
+    # ahead: it starts at 10 ms, and moves at the compute share's rate while
+    # the 20 ms of compute run beside it, at the full rate once the free waits.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.02)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
+    assert r["stall_s"] == pytest.approx(stall)
+    (copy,) = r["timeline"]["copies"]
+    assert copy[3:] == pytest.approx((0.0, 0.01, 0.02 + stall))
+    assert r["timeline"]["totals"]["copies_by_waiter.d2h"] == 0
+
+
+def test_waiter_runs_a_copy_still_waiting_for_its_hand_off():
+    # Note [Waiter runs the copy]: a synchronous copy is waited for at once;
+    # the waiter takes it from the idle stream's queue and no hand-off is paid.
     prog = Program(tensor_bytes=[100_000_000])
     prog.emit(Code.ALLOC, 0)
     prog.emit(Code.OFFLOAD_SYNC, 0)
     prog.emit(Code.FREE, 0)
-    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
-    assert r["stall_s"] == pytest.approx(0.11)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=0.5)
+    assert r["stall_s"] == pytest.approx(0.1)
     (copy,) = r["timeline"]["copies"]
-    assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))
+    assert copy[3:] == pytest.approx((0.0, 0.0, 0.1))
+    assert r["timeline"]["totals"]["copies_by_waiter.d2h"] == 1
+
+
+def test_a_copy_behind_a_running_one_pays_no_hand_off():
+    # The worker is awake while its stream has work: a copy issued at 10.5 ms
+    # behind one running from 10 ms to 11 ms starts at 11 ms, not 10 ms after
+    # it was issued.
+    prog = Program(tensor_bytes=[1_000_000, 1_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.ALLOC, 1)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.0105)
+    prog.emit(Code.OFFLOAD_ASYNC, 1)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    prog.emit(Code.FREE, 1)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=0.999)
+    first, second = r["timeline"]["copies"]
+    assert first[3:] == pytest.approx((0.0, 0.01, 0.011), rel=1e-3)
+    assert second[3:] == pytest.approx((0.0105, 0.011, 0.012), rel=2e-3)
 
 
 def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8, **link_model):

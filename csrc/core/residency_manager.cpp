@@ -277,10 +277,12 @@ bool ResidencyManager::clear_prefetch(ResidencyEntry* entry) {
   return true;
 }
 
-EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream) {
+EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once) {
   counters_.swap_out_bytes += entry->bytes();
   ++counters_.swap_out_count;
-  return backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
+  return waited_at_once
+             ? backend_.copy_to_host_for_waiter(entry->host_copy_, entry->device_data(), entry->bytes(), stream)
+             : backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
 }
 
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
@@ -300,7 +302,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry) : 0;
     }
     auto start = backend_.clock_now();
-    copy_out(entry, stream)->wait();
+    copy_out(entry, stream, /*waited_at_once=*/true)->wait();
     note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->host_valid_ = true;
   }
@@ -406,7 +408,8 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
     return false;
   }
   entry->attach_device_copy(device_ptr);
-  EventPtr done = backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
+  EventPtr done = wait ? backend_.copy_to_device_for_waiter(device_ptr, entry->host_copy_, entry->bytes(), stream)
+                      : backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
   counters_.swap_in_bytes += entry->bytes();
   ++counters_.swap_in_count;
   if (wait) {

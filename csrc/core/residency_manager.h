@@ -234,7 +234,9 @@ class ResidencyManager final : public Evictor {
   // whether it was marked.
   bool clear_prefetch(ResidencyEntry* entry);
   // Queues the device->host copy into the entry's host slot and counts it.
-  EventPtr copy_out(ResidencyEntry* entry, Stream stream);
+  // `waited_at_once`: the caller waits for the copy right away (Note [Waiter
+  // runs the copy]).
+  EventPtr copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once = false);
   size_t release_device_copy(ResidencyEntry* entry, Stream stream);
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
