@@ -117,6 +117,21 @@ def test_delta_counts_the_evicted_neighbourhood(core):
     assert core.filter_score("delta", alone, 0) > core.filter_score("delta", dict(alone, neighbourhood_seconds=0.001), 0)
 
 
+def test_delta_leaves_the_neighbourhood_out_of_a_host_backed_release(core):
+    # Note [Host-backed victims]: released with a valid host copy, a victim
+    # is not dropped and chains no neighbour's replay; priced with DTR's
+    # neighbourhood, a free release ranked below a 1 ms drop.
+    free = dict(bytes=MiB, seconds_until_next_use=0.01, cost_seconds=0.0, host_valid=True, swap_chosen=True,
+                neighbourhood_seconds=0.005)
+    drop = dict(bytes=MiB, seconds_until_next_use=0.01, cost_seconds=0.001)
+    assert core.filter_score("delta", free, 0) > core.filter_score("delta", drop, 0)
+    # Without a host copy the release may still end in a drop: the term stays.
+    to_copy = dict(free, host_valid=False)
+    assert core.filter_score("delta", to_copy, 0) < core.filter_score("delta", drop, 0)
+    # dtr keeps DTR's score.
+    assert core.filter_score("dtr", free, 10) < core.filter_score("dtr", drop, 10)
+
+
 def test_delta_without_a_measured_pace_ranks_bytes_per_cost(core):
     # First iteration: no unpack pace measured, every horizon is 0.
     big_cheap = dict(bytes=4 * MiB, cost_seconds=0.001)

@@ -662,3 +662,38 @@ def test_background_copies_cover_the_largest_forward_request():
     assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000
     assert r["swap_out_bytes"] >= 3 * size
     assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_delta_releases_a_host_backed_victim_before_dropping_another():
+    # Note [Host-backed victims]. Forward saves D (100 MB, replays in 0.03 s)
+    # and R (20 MB, 0.01 s); a 100 MB temporary drops D (the only victim
+    # that fits). Then H (20 MB, replayed from D in 0.05 s: the director
+    # swaps it) and a small S, whose pack starts H's background copy-out
+    # (watermark 20%); a second of compute completes it. A 120 MB temporary
+    # needs one more victim: H, host-backed (its copy-in hides behind S's
+    # and R's uses), or R. Priced with its dropped neighbour D's replay (DTR's
+    # neighbourhood), H ranked below R and R was dropped: 0.04 s of replay
+    # in all instead of D's 0.03 s.
+    from membudget._native import load_extension
+
+    MB = 1_000_000
+    prog = Program(tensor_bytes=[100 * MB, 20 * MB, 100 * MB, 20 * MB, 120 * MB, MB])  # D, R, T1, H, T2, S
+    prog.replay_seconds = [0.03, 0.01, 0.0, 0.05, 0.0, 0.0]
+    prog.replay_input_offsets = [0, 0, 0, 0, 1, 1, 1]
+    prog.replay_inputs = [0]  # H is replayed from D
+    for t in (0, 1):
+        _save(prog, t, 0.1)
+    _temporary(prog, 2, 0.1)
+    for t, seconds in ((3, 0.1), (5, 0.01)):
+        _save(prog, t, seconds)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    _temporary(prog, 4, 0.1)
+    for t in (5, 1, 3, 0):
+        _use(prog, t, 0.1)
+    # No copies ahead: they would copy R and D to host too.
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 150 * MB, 1 << 40,
+                                    1e9, True, "delta", 200 * MB, 0.2, 2, "both", prog.replay_seconds,
+                                    prog.replay_input_offsets, prog.replay_inputs, copies_ahead=False)
+    assert r["feasible"] and r["eviction_count"] == 2, r
+    assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.03), r
+    assert r["swap_in_bytes"] == 20 * MB and r["stall_s"] == pytest.approx(0.0, abs=1e-9), r

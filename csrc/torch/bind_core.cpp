@@ -362,6 +362,7 @@ void bind_policy(py::module_& core) {
     if (f.contains("cost_seconds")) c.cost_seconds = f["cost_seconds"].cast<double>();
     if (f.contains("neighbourhood_seconds")) c.neighbourhood_seconds = f["neighbourhood_seconds"].cast<double>();
     if (f.contains("copy_seconds")) c.copy_seconds = f["copy_seconds"].cast<double>();
+    if (f.contains("swap_chosen")) c.swap_chosen = f["swap_chosen"].cast<bool>();
     FilterContext context{clock, 0};
     return make_filter(name)->score(c, context);
   }, py::arg("policy"), py::arg("candidate"), py::arg("clock"), "A filter's score (higher: evicted first).");

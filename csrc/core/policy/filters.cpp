@@ -49,7 +49,11 @@ class DeltaFilter final : public Filter {
     const double freed = missing * (until + kMinHorizonSeconds) + (bytes - missing) * until;
     const bool ancestors_only_move = pressure_known && c.seconds_until_next_use >= c.seconds_of_pressure;
     const double action = !c.swap_chosen && ancestors_only_move ? c.replay_seconds : c.cost_seconds;
-    const double cost = action + c.neighbourhood_seconds + kTinySeconds;
+    // A device copy backed by a valid host copy is released, not dropped:
+    // it joins no evicted neighbourhood (Note [Host-backed victims]).
+    const bool released_not_dropped = c.swap_chosen && c.host_valid;
+    const double neighbourhood = released_not_dropped ? 0.0 : c.neighbourhood_seconds;
+    const double cost = action + neighbourhood + kTinySeconds;
     return freed / cost;
   }
   // Keeps the score ordered by bytes per second of cost when no pace has

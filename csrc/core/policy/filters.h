@@ -6,7 +6,8 @@
 //   delta    (default) byte-seconds freed per second of cost: bytes times
 //            the predicted time until the next use (previous iteration's
 //            unpack order at the measured pace), over the stall of the
-//            director's action plus the evicted-neighbourhood cost (as dtr).
+//            director's action plus the evicted-neighbourhood cost (as dtr;
+//            none for a host-backed release, Note [Host-backed victims]).
 //   dtr      Dynamic Tensor Rematerialization (Kirisame et al. 2021): evict
 //            the smallest h = (c + neighbourhood cost) / (m * staleness), where
 //            c is its cost to bring back and the neighbourhood cost sums the
@@ -47,6 +48,25 @@
 // on what forward evicts (cut there too, Llama-7B at 40% went from 1.094
 // to 1.109 of the floor). Measured in the simulator (bench/RESULTS.md,
 // "delta against dtr on h200").
+//
+// Note [Host-backed victims]: DTR's neighbourhood term prices what a drop
+// chains onto the replays of its dropped lineage neighbours. A victim whose
+// host copy is already valid and whose director's choice is the swap is not
+// dropped: its device copy is released, it joins no neighbourhood
+// (EvictedNeighbourhoods grows only on drops), and bringing it back is a
+// copy-in whatever its neighbours' state; a dropped dependent's replay that
+// reads it is an unpack like any other, in the predicted order its copy-in
+// is priced against (cost_seconds). So delta leaves the term out for it.
+// With the term, at ResNet-50 at 40% on h200 delta passed over 49 MiB
+// activations copied ahead for exactly this (cost 0, neighbourhood
+// 0.5-0.7 ms) and dropped other 49 MiB ones (0.1 ms of replay each) in
+// their place: 1.0723 of the floor against dtr's 1.0708, 1.0627 without
+// it; Llama-7B at 40% 1.0886 -> 1.0693 (bench/RESULTS.md, "r50"). A swap
+// whose copy-out is still to come keeps the term: until the copy exists
+// its release may still end in a drop (no host slot), and leaving it out
+// there too reordered background copy-outs on the CPU model (GPT-2 at 50%
+// 1.0152 -> 1.0193 of plain PyTorch) for no gain on h200. dtr keeps DTR's
+// published score.
 //
 // Note [Bytes a request needs]: the eviction loop asks the filter again as
 // the bytes still missing shrink (FilterContext::bytes_wanted). Where the
