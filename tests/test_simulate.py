@@ -697,3 +697,35 @@ def test_delta_releases_a_host_backed_victim_before_dropping_another():
     assert r["feasible"] and r["eviction_count"] == 2, r
     assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.03), r
     assert r["swap_in_bytes"] == 20 * MB and r["stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_a_replays_inputs_are_not_positions_of_the_prediction(capfd):
+    # Note [Replay inputs]. Forward saves ten 1 MiB inputs I0..I9, R (100
+    # MiB, replayed from them) and X (100 MiB); a 200 MiB temporary under a
+    # 250 MiB budget drops R and X. Backward unpacks R (its replay reads
+    # I0..I9), then I9..I0, then X: backward's own unpacks put X at position
+    # 11. Counting the replay's ten input materializations as unpacks placed
+    # X at 21 in the next iteration's prediction, so every use after a
+    # replay looked further away than it is (by backward's end at Llama-7B
+    # 60% on h200, simulated: about 100 unpacks, 150 ms) and the prefetcher
+    # and the director planned against slack that was not there.
+    k = 10
+    inputs, r, x, temporary = list(range(k)), k, k + 1, k + 2
+    prog = Program(tensor_bytes=[MiB] * k + [100 * MiB, 100 * MiB, 200 * MiB])
+    prog.replay_seconds = [0.0] * k + [0.01, 0.02, 0.0]
+    prog.replay_input_offsets = [0] * (k + 1) + [k, k, k]
+    prog.replay_inputs = inputs
+    for t in [*inputs, r, x]:
+        _save(prog, t, 0.01)
+    _temporary(prog, temporary, 0.01)
+    for t in [r, *reversed(inputs), x]:
+        _use(prog, t, 0.01)
+    from membudget._native import load_extension
+
+    result = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250 * MiB,
+                                         1 << 40, 1e9, True, "delta", 0, 1.0, 2, "recompute", prog.replay_seconds,
+                                         prog.replay_input_offsets, prog.replay_inputs, log_decisions=True)
+    assert result["feasible"] and result["eviction_count"] == 2 and result["recompute_count"] == 2
+    # The measured iteration's forward prices X against the last backward's order.
+    logged = [line for line in capfd.readouterr().err.splitlines() if "iteration=1 phase=forward seq=11 " in line]
+    assert len(logged) == 1 and "next_use=11 " in logged[0], logged
