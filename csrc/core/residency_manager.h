@@ -23,10 +23,10 @@
 // of this one. Measured in the simulator (Llama-7B at 60% on h200): the
 // first iteration, without a prediction, replayed more than the second and
 // recorded 1105 positions against 995, so by backward's end the prefetcher
-// placed each use about 100 unpacks (150 ms) later than it came; the
+// placed each use about 100 unpacks (150 ms) later than it came, and the
 // copy-ins of the first layers' activations (688 MiB each) were held by the
-// window until too late, and the director, pricing forward's swaps against
-// that slack, swapped a 512 MiB activation whose copy-in could not hide
+// window until they arrived late: 12-16 ms of unpack stall per step, none
+// with the same evictions once positions count backward's own unpacks
 // (bench/RESULTS.md, "sched"). Replays run on the thread that unpacks
 // (autograd's backward thread), so one count serves.
 #pragma once
