@@ -1,6 +1,8 @@
 """HostBackend, the simulated device: bounded "device" memory, copies on the
 D2H/H2D worker threads with completion events, and held virtual streams
 (Note [Virtual streams] in csrc/core/host_backend.h)."""
+import threading
+
 import pytest
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -85,8 +87,6 @@ def test_copy_timeline_records_copies_and_the_waits_on_them():
     # Note [Copy timeline]: a copy held behind a virtual stream cannot be
     # done when the main thread starts waiting for it, so that wait blocks and
     # is recorded against that copy; totals count every copy.
-    import threading
-
     backend = core.HostBackend()
     device = backend.device_alloc(64 * KiB)
     host = backend.host_alloc(64 * KiB)
@@ -113,3 +113,69 @@ def test_copy_timeline_records_copies_and_the_waits_on_them():
     assert backend.copy_timeline()["totals"]["copies.d2h"] == 0 and backend.copy_timeline()["copies"] == []
     backend.device_free(device, 64 * KiB)
     backend.host_free(host, 64 * KiB)
+
+
+def test_copies_stay_exact_and_ordered_whoever_runs_them():
+    # Note [Waiter runs the copy]: a thread that waits for a copy still queued
+    # at the head of an idle stream runs it itself; otherwise the worker does.
+    # Which one wins is a race, so this mixes synchronous copies (waited for at
+    # once), copies queued behind others, and a copy ordered after a held
+    # stream (which only the worker may run, after the release), and checks
+    # every byte and the count of copies either way.
+    backend = core.HostBackend(64 * MiB)
+    page = 4 * KiB
+    rounds = 200
+    device = backend.device_alloc(rounds * page)
+    host = backend.host_alloc(rounds * page)
+    back = backend.device_alloc(rounds * page)
+    payloads = [bytes([i % 251]) * page for i in range(rounds)]
+    for i, payload in enumerate(payloads):
+        backend.write_bytes(device + i * page, payload)
+    backend.set_copy_timeline(False, True)
+    backend.hold_stream(7)
+    held = backend.copy_to_host(host, device, page, after=7)
+    behind_held = backend.copy_to_host(host + page, device + page, page)
+    assert not held.ready() and not behind_held.ready()
+    releaser = threading.Timer(0.02, backend.release_stream, args=(7,))
+    releaser.start()
+    behind_held.wait()  # cannot run it itself: the worker holds the stream's head
+    releaser.join()
+    assert held.ready()
+    for i in range(2, rounds):
+        out = backend.copy_to_host(host + i * page, device + i * page, page, for_waiter=bool(i % 3))
+        if i % 3:
+            out.wait()  # synchronous: the waiter may run it
+    for i in range(rounds):
+        event = backend.copy_to_device(back + i * page, host + i * page, page)
+        if i % 2:
+            event.wait()  # it may take it, although the worker was woken for it
+    event.wait()
+    assert backend.read_bytes(back, rounds * page) == b"".join(payloads)
+    totals = backend.copy_timeline()["totals"]
+    assert totals["copies.d2h"] == rounds and totals["copies.h2d"] == rounds
+    assert totals["copies_by_waiter.d2h"] <= rounds - 2 and totals["copies_by_waiter.h2d"] <= rounds // 2
+    assert backend.pending_copies("device_to_host") == 0 and backend.pending_copies("host_to_device") == 0
+    backend.device_free(device, rounds * page)
+    backend.device_free(back, rounds * page)
+    backend.host_free(host, rounds * page)
+
+
+def test_a_copy_for_its_waiter_runs_on_the_waiting_thread():
+    # Note [Waiter runs the copy]: on an idle stream a copy issued for a
+    # waiter does not wake the worker; the wait runs it. (A spurious wake-up
+    # of the worker may still take one now and then: hence not all of them.)
+    backend = core.HostBackend(64 * MiB)
+    page = 64 * KiB
+    device = backend.device_alloc(page)
+    host = backend.host_alloc(page)
+    backend.write_bytes(device, b"z" * page)
+    backend.set_copy_timeline(False, True)
+    for _ in range(100):
+        backend.copy_to_host(host, device, page, for_waiter=True).wait()
+        backend.copy_to_device(device, host, page, for_waiter=True).wait()
+    totals = backend.copy_timeline()["totals"]
+    assert totals["copies_by_waiter.d2h"] >= 90 and totals["copies_by_waiter.h2d"] >= 90
+    assert totals["waits"] == 200
+    assert backend.read_bytes(device, page) == b"z" * page
+    backend.device_free(device, page)
+    backend.host_free(host, page)

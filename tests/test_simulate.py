@@ -299,18 +299,54 @@ def test_a_late_swap_in_is_not_held_back_by_the_prefetch_window():
     assert r["unpack_stall_s"] == pytest.approx(0.05 + 0.15)
 
 
-@pytest.mark.parametrize("compute_share", [1.0, 0.5])
-def test_copy_starts_a_latency_after_it_is_issued(compute_share):
-    # 10 ms of hand-off before the 0.1 s copy, on the closed-form path (GPU
-    # shares) and on the piecewise one.
+@pytest.mark.parametrize("compute_share, stall", [(1.0, 0.09), (0.5, 0.095)])
+def test_copy_starts_a_latency_after_it_is_issued(compute_share, stall):
+    # 10 ms of hand-off (the copy worker's wake-up) before a 0.1 s copy issued
+    # ahead: it starts at 10 ms, and moves at the compute share's rate while
+    # the 20 ms of compute run beside it, at the full rate once the free waits.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.02)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
+    assert r["stall_s"] == pytest.approx(stall)
+    (copy,) = r["timeline"]["copies"]
+    assert copy[3:] == pytest.approx((0.0, 0.01, 0.02 + stall))
+    assert r["timeline"]["totals"]["copies_by_waiter.d2h"] == 0
+
+
+def test_waiter_runs_a_copy_still_waiting_for_its_hand_off():
+    # Note [Waiter runs the copy]: a synchronous copy is waited for at once;
+    # the waiter takes it from the idle stream's queue and no hand-off is paid.
     prog = Program(tensor_bytes=[100_000_000])
     prog.emit(Code.ALLOC, 0)
     prog.emit(Code.OFFLOAD_SYNC, 0)
     prog.emit(Code.FREE, 0)
-    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=compute_share)
-    assert r["stall_s"] == pytest.approx(0.11)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=0.5)
+    assert r["stall_s"] == pytest.approx(0.1)
     (copy,) = r["timeline"]["copies"]
-    assert copy[3:] == pytest.approx((0.0, 0.01, 0.11))
+    assert copy[3:] == pytest.approx((0.0, 0.0, 0.1))
+    assert r["timeline"]["totals"]["copies_by_waiter.d2h"] == 1
+
+
+def test_a_copy_behind_a_running_one_pays_no_hand_off():
+    # The worker is awake while its stream has work: a copy issued at 10.5 ms
+    # behind one running from 10 ms to 11 ms starts at 11 ms, not 10 ms after
+    # it was issued.
+    prog = Program(tensor_bytes=[1_000_000, 1_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.ALLOC, 1)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.0105)
+    prog.emit(Code.OFFLOAD_ASYNC, 1)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    prog.emit(Code.FREE, 1)
+    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=0.999)
+    first, second = r["timeline"]["copies"]
+    assert first[3:] == pytest.approx((0.0, 0.01, 0.011), rel=1e-3)
+    assert second[3:] == pytest.approx((0.0105, 0.011, 0.012), rel=2e-3)
 
 
 def _manager_replay(prog, budget, capacity=1 << 40, prefetch_bytes=0, link=1e9, high_watermark=0.8, **link_model):
@@ -661,3 +697,35 @@ def test_delta_releases_a_host_backed_victim_before_dropping_another():
     assert r["feasible"] and r["eviction_count"] == 2, r
     assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.03), r
     assert r["swap_in_bytes"] == 20 * MB and r["stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_a_replays_inputs_are_not_positions_of_the_prediction(capfd):
+    # Note [Replay inputs]. Forward saves ten 1 MiB inputs I0..I9, R (100
+    # MiB, replayed from them) and X (100 MiB); a 200 MiB temporary under a
+    # 250 MiB budget drops R and X. Backward unpacks R (its replay reads
+    # I0..I9), then I9..I0, then X: backward's own unpacks put X at position
+    # 11. Counting the replay's ten input materializations as unpacks placed
+    # X at 21 in the next iteration's prediction, so every use after a
+    # replay looked further away than it is (by backward's end at Llama-7B
+    # 60% on h200, simulated: about 100 unpacks, 150 ms) and the prefetcher
+    # and the director planned against slack that was not there.
+    k = 10
+    inputs, r, x, temporary = list(range(k)), k, k + 1, k + 2
+    prog = Program(tensor_bytes=[MiB] * k + [100 * MiB, 100 * MiB, 200 * MiB])
+    prog.replay_seconds = [0.0] * k + [0.01, 0.02, 0.0]
+    prog.replay_input_offsets = [0] * (k + 1) + [k, k, k]
+    prog.replay_inputs = inputs
+    for t in [*inputs, r, x]:
+        _save(prog, t, 0.01)
+    _temporary(prog, temporary, 0.01)
+    for t in [r, *reversed(inputs), x]:
+        _use(prog, t, 0.01)
+    from membudget._native import load_extension
+
+    result = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250 * MiB,
+                                         1 << 40, 1e9, True, "delta", 0, 1.0, 2, "recompute", prog.replay_seconds,
+                                         prog.replay_input_offsets, prog.replay_inputs, log_decisions=True)
+    assert result["feasible"] and result["eviction_count"] == 2 and result["recompute_count"] == 2
+    # The measured iteration's forward prices X against the last backward's order.
+    logged = [line for line in capfd.readouterr().err.splitlines() if "iteration=1 phase=forward seq=11 " in line]
+    assert len(logged) == 1 and "next_use=11 " in logged[0], logged

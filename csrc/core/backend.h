@@ -67,6 +67,17 @@ class Backend {
                                 size_t bytes, Stream after) = 0;
   virtual EventPtr copy_to_device(void* device_dst, const void* host_src,
                                   size_t bytes, Stream after) = 0;
+  // The same copies, for a caller that waits for the returned event at once
+  // (the allocation path's synchronous swap-out, an unpack's missed
+  // swap-in). A backend whose copy streams are host threads leaves such a
+  // copy for the waiting thread to run when its stream is idle (Note [Waiter
+  // runs the copy] in host_backend.cpp); by default they are the copies above.
+  virtual EventPtr copy_to_host_for_waiter(void* host_dst, const void* device_src, size_t bytes, Stream after) {
+    return copy_to_host(host_dst, device_src, bytes, after);
+  }
+  virtual EventPtr copy_to_device_for_waiter(void* device_dst, const void* host_src, size_t bytes, Stream after) {
+    return copy_to_device(device_dst, host_src, bytes, after);
+  }
   // Copies queued on a copy stream and not yet finished: the director's view
   // of how long a new copy would wait.
   virtual size_t pending_copies(CopyDirection direction) const = 0;

@@ -27,6 +27,7 @@ int64_t CopyTimeline::add_copy(const CopyRecord& record) {
   totals_.bytes[lane] += record.bytes;
   totals_.busy_seconds[lane] += record.finished_s - record.started_s;
   totals_.queued_seconds[lane] += record.started_s - record.enqueued_s;
+  if (record.by_waiter) ++totals_.copies_by_waiter[lane];
   if (!enabled_) return -1;
   copies_.push_back(record);
   copies_.back().index = next_index_;

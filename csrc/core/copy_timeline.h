@@ -32,6 +32,7 @@ struct CopyRecord {
   double enqueued_s = 0.0;
   double started_s = 0.0;
   double finished_s = 0.0;
+  bool by_waiter = false;  // run by the thread that waited for it (Note [Waiter runs the copy])
 };
 
 struct WaitRecord {
@@ -46,6 +47,7 @@ struct CopyTotals {
   size_t bytes[2] = {0, 0};
   double busy_seconds[2] = {0.0, 0.0};   // started -> finished
   double queued_seconds[2] = {0.0, 0.0}; // enqueued -> started
+  size_t copies_by_waiter[2] = {0, 0};   // of copies, those their waiter ran
   size_t waits = 0;
   double wait_seconds = 0.0;
   // Of wait_seconds, the waits made by a thread inside a marked section (the

@@ -33,25 +33,30 @@ struct CopyClock {
   }
 };
 
+// Note [Waiter runs the copy]: a copy's event can hand its copy to the
+// thread that waits for it. A synchronous copy (the allocation path's swap-out,
+// an unpack's missed swap-in) is issued and waited for at once; going through
+// the worker costs two thread wake-ups (the worker's, then the waiter's), which
+// bench_simulate.py's calibration measured at 12-55 us per copy on this
+// machine's idle cores, and a scheduler tick (about 4 ms) when the machine is
+// loaded (bench/RESULTS.md, "Validation, run 2", point 4). So when the waiter
+// finds its copy still queued at the head of an idle stream, it takes the job
+// and runs the memcpy itself: the same bytes move in the same order, with no
+// hand-off. The simulator models the same rule (Note [Modelled link]).
+class CopyQueue;
+
 // An event completed by another thread. ready() reads an atomic flag so that
 // it never blocks; wait() sleeps on the condition variable. A copy's event
 // carries its backend's CopyClock: a wait that blocks is recorded there.
 class HostEvent final : public Event {
  public:
   HostEvent() = default;
-  explicit HostEvent(std::shared_ptr<CopyClock> clock) : clock_(std::move(clock)) {}
+  HostEvent(std::shared_ptr<CopyClock> clock, std::weak_ptr<CopyQueue> queue)
+      : clock_(std::move(clock)), queue_(std::move(queue)) {}
 
   bool ready() override { return done_.load(std::memory_order_acquire); }
 
-  void wait() override {
-    if (ready()) return;
-    const double started = clock_ ? clock_->seconds() : 0.0;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      done_changed_.wait(lock, [this] { return ready(); });
-    }
-    if (clock_) clock_->timeline.add_wait(WaitRecord{copy_index_, started, clock_->seconds()});
-  }
+  void wait() override;
 
   // `copy_index`: the copy's record in the timeline (-1: none).
   void complete(int64_t copy_index = -1) {
@@ -65,6 +70,7 @@ class HostEvent final : public Event {
 
  private:
   std::shared_ptr<CopyClock> clock_;
+  std::weak_ptr<CopyQueue> queue_;  // the stream of this event's copy, if any
   std::atomic<bool> done_{false};
   std::mutex mutex_;
   std::condition_variable done_changed_;
@@ -79,35 +85,80 @@ void* aligned_or_null(size_t bytes) {
   return ptr;
 }
 
-// One copy stream: a worker thread draining a FIFO of memcpy jobs. Each job
-// first waits for the event of the stream it was ordered after, so copies on
-// one copy stream stay in issue order, as on a CUDA stream.
-class CopyStream {
+// The queue of one copy stream, shared by its worker thread and by the events
+// of its copies (which may outlive the stream: they hold it weakly).
+class CopyQueue {
  public:
-  CopyStream(CopyDirection direction, std::shared_ptr<CopyClock> clock)
-      : direction_(direction), clock_(std::move(clock)), worker_([this] { run(); }) {}
+  CopyQueue(CopyDirection direction, std::shared_ptr<CopyClock> clock)
+      : direction_(direction), clock_(std::move(clock)) {}
 
-  ~CopyStream() {
+  // `for_waiter`: the caller waits for the copy at once; on an idle stream
+  // the worker is not woken for it (Note [Waiter runs the copy]).
+  EventPtr enqueue(std::weak_ptr<CopyQueue> self, void* dst, const void* src, size_t bytes, EventPtr after,
+                   bool for_waiter) {
+    auto done = std::make_shared<HostEvent>(clock_, std::move(self));
+    bool wake = true;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    work_arrived_.notify_one();
-    worker_.join();
-  }
-
-  EventPtr enqueue(void* dst, const void* src, size_t bytes, EventPtr after) {
-    auto done = std::make_shared<HostEvent>(clock_);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
+      wake = !(for_waiter && waiter_runs_copies_ && jobs_.empty() && !running_);
       jobs_.push_back(Job{dst, src, bytes, std::move(after), done, clock_->seconds()});
       pending_.fetch_add(1, std::memory_order_relaxed);
     }
-    work_arrived_.notify_one();
+    if (wake) work_arrived_.notify_one();
     return done;
   }
 
   size_t pending() const { return pending_.load(std::memory_order_relaxed); }
+
+  // The worker's loop: drains the queue one job at a time; on shutdown it
+  // finishes the jobs already queued so that no waiter of a returned event is
+  // left blocked forever.
+  void drain() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        // Not while a waiter runs a job itself: one job at a time, in order.
+        work_arrived_.wait(lock, [this] { return (stopping_ || !jobs_.empty()) && !running_; });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+        running_ = true;
+      }
+      if (job.after) job.after->wait();
+      run(job, /*by_waiter=*/false);
+    }
+  }
+
+  // Note [Waiter runs the copy]: runs the copy of `event` on the calling
+  // thread if it is next in the queue, nothing is running, and what it was
+  // ordered after is done. Returns whether it did (the event is then complete).
+  bool run_if_next(const HostEvent* event) {
+    Job job;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!waiter_runs_copies_ || running_ || jobs_.empty() || jobs_.front().done.get() != event) return false;
+      if (jobs_.front().after && !jobs_.front().after->ready()) return false;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_ = true;
+    }
+    run(job, /*by_waiter=*/true);
+    return true;
+  }
+
+  void set_waiter_runs_copies(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiter_runs_copies_ = on;
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_arrived_.notify_all();
+  }
 
  private:
   struct Job {
@@ -119,36 +170,66 @@ class CopyStream {
     double enqueued_s;
   };
 
-  // Drains the queue; on shutdown it finishes the jobs already queued so that
-  // no waiter of a returned event is left blocked forever.
-  void run() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        work_arrived_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      if (job.after) job.after->wait();
-      const double started = clock_->seconds();
-      if (job.bytes > 0) std::memcpy(job.dst, job.src, job.bytes);
-      const int64_t index =
-          clock_->timeline.add_copy(CopyRecord{-1, direction_, job.bytes, job.enqueued_s, started, clock_->seconds()});
-      pending_.fetch_sub(1, std::memory_order_relaxed);
-      job.done->complete(index);
+  // One job's memcpy, recorded; then the next job may start.
+  void run(Job& job, bool by_waiter) {
+    const double started = clock_->seconds();
+    if (job.bytes > 0) std::memcpy(job.dst, job.src, job.bytes);
+    const int64_t index = clock_->timeline.add_copy(
+        CopyRecord{-1, direction_, job.bytes, job.enqueued_s, started, clock_->seconds(), by_waiter});
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;
     }
+    pending_.fetch_sub(1, std::memory_order_relaxed);
+    work_arrived_.notify_one();
+    job.done->complete(index);
   }
 
   std::mutex mutex_;
   std::condition_variable work_arrived_;
   std::deque<Job> jobs_;
+  bool running_ = false;  // a job has been taken and its memcpy is not done
+  bool waiter_runs_copies_ = true;
   std::atomic<size_t> pending_{0};  // queued + running
   bool stopping_ = false;
   const CopyDirection direction_;
   std::shared_ptr<CopyClock> clock_;
-  std::thread worker_;  // last: starts after the members it uses exist
+};
+
+void HostEvent::wait() {
+  if (ready()) return;
+  const double started = clock_ ? clock_->seconds() : 0.0;
+  std::shared_ptr<CopyQueue> queue = queue_.lock();
+  if (!(queue && queue->run_if_next(this))) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_changed_.wait(lock, [this] { return ready(); });
+  }
+  if (clock_) clock_->timeline.add_wait(WaitRecord{copy_index_, started, clock_->seconds()});
+}
+
+// One copy stream: a worker thread draining a CopyQueue of memcpy jobs. Each
+// job first waits for the event of the stream it was ordered after, so copies
+// on one copy stream stay in issue order, as on a CUDA stream.
+class CopyStream {
+ public:
+  CopyStream(CopyDirection direction, std::shared_ptr<CopyClock> clock)
+      : queue_(std::make_shared<CopyQueue>(direction, std::move(clock))), worker_([this] { queue_->drain(); }) {}
+
+  ~CopyStream() {
+    queue_->stop();
+    worker_.join();
+  }
+
+  EventPtr enqueue(void* dst, const void* src, size_t bytes, EventPtr after, bool for_waiter) {
+    return queue_->enqueue(queue_, dst, src, bytes, std::move(after), for_waiter);
+  }
+
+  size_t pending() const { return queue_->pending(); }
+  void set_waiter_runs_copies(bool on) { queue_->set_waiter_runs_copies(on); }
+
+ private:
+  std::shared_ptr<CopyQueue> queue_;
+  std::thread worker_;  // last: starts after the queue it drains exists
 };
 
 }  // namespace
@@ -299,12 +380,20 @@ void HostBackend::stream_wait(Stream /*stream*/, const EventPtr& event) {
 
 EventPtr HostBackend::copy_to_host(void* host_dst, const void* device_src,
                                    size_t bytes, Stream after) {
-  return impl_->device_to_host.enqueue(host_dst, device_src, bytes, record(after));
+  return impl_->device_to_host.enqueue(host_dst, device_src, bytes, record(after), /*for_waiter=*/false);
 }
 
 EventPtr HostBackend::copy_to_device(void* device_dst, const void* host_src,
                                      size_t bytes, Stream after) {
-  return impl_->host_to_device.enqueue(device_dst, host_src, bytes, record(after));
+  return impl_->host_to_device.enqueue(device_dst, host_src, bytes, record(after), /*for_waiter=*/false);
+}
+
+EventPtr HostBackend::copy_to_host_for_waiter(void* host_dst, const void* device_src, size_t bytes, Stream after) {
+  return impl_->device_to_host.enqueue(host_dst, device_src, bytes, record(after), /*for_waiter=*/true);
+}
+
+EventPtr HostBackend::copy_to_device_for_waiter(void* device_dst, const void* host_src, size_t bytes, Stream after) {
+  return impl_->host_to_device.enqueue(device_dst, host_src, bytes, record(after), /*for_waiter=*/true);
 }
 
 size_t HostBackend::pending_copies(CopyDirection direction) const {
@@ -313,6 +402,11 @@ size_t HostBackend::pending_copies(CopyDirection direction) const {
 }
 
 CopyTimeline& HostBackend::copy_timeline() { return impl_->copy_clock->timeline; }
+
+void HostBackend::set_waiter_runs_copies(bool on) {
+  impl_->device_to_host.set_waiter_runs_copies(on);
+  impl_->host_to_device.set_waiter_runs_copies(on);
+}
 
 void HostBackend::hold_stream(Stream stream) {
   if (stream == nullptr) {

@@ -38,6 +38,8 @@ class HostBackend final : public Backend {
                         Stream after) override;
   EventPtr copy_to_device(void* device_dst, const void* host_src, size_t bytes,
                           Stream after) override;
+  EventPtr copy_to_host_for_waiter(void* host_dst, const void* device_src, size_t bytes, Stream after) override;
+  EventPtr copy_to_device_for_waiter(void* device_dst, const void* host_src, size_t bytes, Stream after) override;
   size_t pending_copies(CopyDirection direction) const override;
   // Note [Expandable segments] over mmap: PROT_NONE reservations whose pages
   // are replaced by anonymous read-write memory when mapped, and by a fresh
@@ -52,6 +54,11 @@ class HostBackend final : public Backend {
 
   // Note [Copy timeline] on the wall clock (seconds since this backend was made).
   CopyTimeline& copy_timeline();
+
+  // Note [Waiter runs the copy] on (the default) or off: off, every copy
+  // goes through its stream's worker thread (bench/bench_copy_handoff.py
+  // compares the two).
+  void set_waiter_runs_copies(bool on);
 
   // Bytes currently handed out by device_alloc or mapped by map_pages.
   size_t device_bytes_in_use() const;

@@ -98,6 +98,7 @@ bool ResidencyManager::begin_recompute_ahead(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!entry->registered_ || !entry->ahead_queued_ || entry->state_ != Residency::recomputing) return false;
   entry->ahead_queued_ = false;
+  ++replays_in_progress_;  // Note [Replay inputs]
   // Its replay may use free memory only: no entry is "needed later" than this.
   eviction_horizon_ = kEvictNothing;
   return true;
@@ -106,6 +107,7 @@ bool ResidencyManager::begin_recompute_ahead(ResidencyEntry* entry) {
 void ResidencyManager::complete_recompute_ahead(ResidencyEntry* entry, bool succeeded, double seconds,
                                                 EventPtr ready) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (replays_in_progress_ > 0) --replays_in_progress_;
   eviction_horizon_ = -1;
   --entry->pins_;
   if (!succeeded) {

@@ -277,10 +277,12 @@ bool ResidencyManager::clear_prefetch(ResidencyEntry* entry) {
   return true;
 }
 
-EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream) {
+EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once) {
   counters_.swap_out_bytes += entry->bytes();
   ++counters_.swap_out_count;
-  return backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
+  return waited_at_once
+             ? backend_.copy_to_host_for_waiter(entry->host_copy_, entry->device_data(), entry->bytes(), stream)
+             : backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
 }
 
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
@@ -300,7 +302,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry) : 0;
     }
     auto start = backend_.clock_now();
-    copy_out(entry, stream)->wait();
+    copy_out(entry, stream, /*waited_at_once=*/true)->wait();
     note_copy_time(entry->bytes(), seconds_since(backend_, start));
     entry->host_valid_ = true;
   }
@@ -406,7 +408,8 @@ bool ResidencyManager::swap_in(ResidencyEntry* entry, Stream stream, bool wait) 
     return false;
   }
   entry->attach_device_copy(device_ptr);
-  EventPtr done = backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
+  EventPtr done = wait ? backend_.copy_to_device_for_waiter(device_ptr, entry->host_copy_, entry->bytes(), stream)
+                      : backend_.copy_to_device(device_ptr, entry->host_copy_, entry->bytes(), stream);
   counters_.swap_in_bytes += entry->bytes();
   ++counters_.swap_in_count;
   if (wait) {
@@ -436,11 +439,13 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   entry->last_access_ = ++clock_;
-  note_interval(unpack_interval_s_, last_unpack_);
+  // Note [Replay inputs]: an input a replay reads is no unpack of backward's.
+  const bool replay_input = replays_in_progress_ > 0;
+  if (!replay_input) note_interval(unpack_interval_s_, last_unpack_);
   last_pack_ = {};
   if (!unpacked_since_pack_) backward_start_clock_ = clock_ - 1;  // the first unpack of a backward
   unpacked_since_pack_ = true;
-  if (entry->iteration_ == iteration_) order_.record_unpack(entry->pack_seq_);
+  if (entry->iteration_ == iteration_ && !replay_input) order_.record_unpack(entry->pack_seq_);
   const bool was_prefetched = clear_prefetch(entry);
   entry->recomputed_ahead_ = false;
   switch (entry->state_) {
@@ -467,6 +472,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
         // Queued ahead but not begun: replayed on demand now, under the pin
         // the queue took (released by unpin() after complete_recompute()).
         unqueue_recompute_ahead(entry);
+        ++replays_in_progress_;
         issue_prefetches(stream);
         return nullptr;
       }
@@ -474,6 +480,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
     case Residency::dropped:
       entry->state_ = Residency::recomputing;
       ++entry->pins_;  // released by unpin() after complete_recompute()
+      ++replays_in_progress_;
       issue_prefetches(stream);
       return nullptr;
   }
@@ -560,13 +567,13 @@ void ResidencyManager::issue_prefetches(Stream stream) {
     ++counters_.prefetch_issued;
     return 1;
   };
-  // Note [Prefetch lookback]: positions are counts of unpacks, and the
-  // materializations a replay makes of its inputs count too, so an
-  // iteration that recomputes more than the last runs ahead of the
+  // Note [Prefetch lookback]: positions are counts of unpacks, so a
+  // backward whose order differs from the last one's runs ahead of the
   // prediction: an entry predicted just before `now` may still be to come
-  // (GPT-2 at 40% on h200: 12 positions, and a 24 MiB tensor that was never
-  // prefetched). Entries predicted shortly before now, on host and not
-  // unpacked in this backward, are due first.
+  // (GPT-2 at 40% on h200, when a replay's input materializations still
+  // counted as unpacks, before Note [Replay inputs]: 12 positions, and a
+  // 24 MiB tensor that was never prefetched). Entries predicted shortly
+  // before now, on host and not unpacked in this backward, are due first.
   for (int64_t p = std::max<int64_t>(now - kPrefetchLookback, 0); p < std::min(now, order_.predicted_length()); ++p) {
     if (try_prefetch(p) < 0) return;
   }

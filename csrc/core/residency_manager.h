@@ -12,6 +12,23 @@
 // Note [Iterations]: a pack that follows an unpack starts a new iteration.
 // Pack sequence numbers restart at 0, and the unpack order of the iteration
 // that just ended becomes the prediction for prefetch and the delta filter.
+//
+// Note [Replay inputs]: a position in that order is one of backward's own
+// unpacks. The inputs a replay materializes (on demand, or ahead, Note
+// [Recompute ahead]) between materialize() returning nullptr, or
+// begin_recompute_ahead(), and the matching complete_recompute*() are
+// neither recorded in the order nor samples of the unpack pace: how many
+// there are depends on what this iteration happened to drop, so counting
+// them shifted every later position of the next prediction by the replays
+// of this one. Measured in the simulator (Llama-7B at 60% on h200): the
+// first iteration, without a prediction, replayed more than the second and
+// recorded 1105 positions against 995, so by backward's end the prefetcher
+// placed each use about 100 unpacks (150 ms) later than it came, and the
+// copy-ins of the first layers' activations (688 MiB each) were held by the
+// window until they arrived late: 12-16 ms of unpack stall per step, none
+// with the same evictions once positions count backward's own unpacks
+// (bench/RESULTS.md, "sched"). Replays run on the thread that unpacks
+// (autograd's backward thread), so one count serves.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -234,7 +251,9 @@ class ResidencyManager final : public Evictor {
   // whether it was marked.
   bool clear_prefetch(ResidencyEntry* entry);
   // Queues the device->host copy into the entry's host slot and counts it.
-  EventPtr copy_out(ResidencyEntry* entry, Stream stream);
+  // `waited_at_once`: the caller waits for the copy right away (Note [Waiter
+  // runs the copy]).
+  EventPtr copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once = false);
   size_t release_device_copy(ResidencyEntry* entry, Stream stream);
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
@@ -313,6 +332,7 @@ class ResidencyManager final : public Evictor {
   uint64_t packs_this_iteration_ = 0;
   bool unpacked_since_pack_ = false;
   int64_t prefetch_cursor_ = 0;
+  int replays_in_progress_ = 0;                   // begun and not completed (Note [Replay inputs])
   uint64_t backward_start_clock_ = 0;             // clock_ before this backward's first unpack
   size_t prefetch_outstanding_bytes_ = 0;
   int64_t eviction_horizon_ = -1;                 // during prefetch: protect nearer uses

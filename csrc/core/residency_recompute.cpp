@@ -175,6 +175,7 @@ size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
 
 void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (replays_in_progress_ > 0) --replays_in_progress_;
   if (!succeeded) {
     entry->state_ = Residency::dropped;
     --entry->pins_;

@@ -16,7 +16,10 @@ std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes)
   copy->bytes = bytes;
   copy->remaining = static_cast<double>(bytes);
   copy->enqueued_s = clock_->now;
-  copy->ready_s = clock_->now + model_.latency_s;
+  // The hand-off is the worker's wake-up: behind a queued copy the worker is
+  // awake and takes this one as soon as the one before it is done.
+  const bool worker_awake = pending(direction) > 0;
+  copy->ready_s = clock_->now + (worker_awake ? 0.0 : model_.latency_s);
   if (model_.independent()) {
     // Closed form: a FIFO at a fixed rate (Note [Modelled time]).
     const double start = std::max(copy->ready_s, lane_free_at_[lane]);
@@ -46,6 +49,14 @@ void SimLink::wait_for(const SimCopy& copy) {
   if (model_.independent()) {
     clock_->now = copy.done_at;
   } else {
+    // Note [Waiter runs the copy]: still waiting out its hand-off at the head
+    // of its stream, it starts now.
+    auto& lane = lanes_[static_cast<int>(copy.direction)];
+    if (!lane.empty() && lane.front().get() == &copy && copy.ready_s > clock_->now) {
+      lane.front()->ready_s = clock_->now;
+      lane.front()->started_s = clock_->now;
+      lane.front()->by_waiter = true;
+    }
     advance(std::numeric_limits<double>::infinity(), /*computing=*/false, &copy);
   }
   clock_->timeline.add_wait(WaitRecord{copy.index, start, clock_->now});
@@ -76,7 +87,7 @@ void SimLink::finish_head(int lane) {
   copy->remaining = 0.0;
   copy->done_at = clock_->now;
   copy->index = clock_->timeline.add_copy(
-      CopyRecord{-1, copy->direction, copy->bytes, copy->enqueued_s, copy->started_s, copy->done_at});
+      CopyRecord{-1, copy->direction, copy->bytes, copy->enqueued_s, copy->started_s, copy->done_at, copy->by_waiter});
   if (!lanes_[lane].empty()) {
     SimCopy& next = *lanes_[lane].front();
     next.started_s = std::max(clock_->now, next.ready_s);

@@ -12,7 +12,10 @@
 // a copy beside a busy compute thread runs at a fraction of its idle rate
 // (`compute_share`); and a copy starts `latency_s` after it is issued at the
 // earliest (the worker thread's wake-up: a synchronous swap-in of a small
-// tensor on the host costs about as much in hand-offs as in memcpy). Then a copy's rate changes whenever the other direction
+// tensor on the host costs about as much in hand-offs as in memcpy), except
+// that a copy waited for while it is still queued at the head of an idle
+// stream starts at once (the waiter runs it itself: Note [Waiter runs the
+// copy] in host_backend.cpp). Then a copy's rate changes whenever the other direction
 // starts or ends, or the compute stream stalls (waiting for a copy frees the
 // compute thread's core and bandwidth), so copies are advanced piecewise as the
 // clock moves, and an event's end time is known only once its copy is done.
@@ -41,8 +44,9 @@ struct LinkModel {
   double duplex_share = 1.0;   // fraction of the rate each direction gets while both copy
   double compute_share = 1.0;  // fraction of the rate a copy gets while compute runs
   double latency_s = 0.0;      // from issue to the earliest start of a copy
-  // The GPU case: each direction independent of everything else.
-  bool independent() const { return duplex_share >= 1.0 && compute_share >= 1.0; }
+  // The GPU case: each direction independent of everything else, and no
+  // hand-off (the closed form knows each copy's end when it is issued).
+  bool independent() const { return duplex_share >= 1.0 && compute_share >= 1.0 && latency_s <= 0.0; }
 };
 
 // One copy on a modelled copy stream.
@@ -55,6 +59,7 @@ struct SimCopy {
   double started_s = -1.0;  // when it reached the head of its stream (and was ready)
   double done_at = std::numeric_limits<double>::infinity();
   int64_t index = -1;       // its CopyRecord::index once recorded
+  bool by_waiter = false;   // Note [Waiter runs the copy]
 };
 
 class SimLink {

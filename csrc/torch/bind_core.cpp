@@ -224,16 +224,19 @@ void bind_events_and_backends(py::module_& core) {
       .def("stream_wait",
            [](HostBackend& b, uintptr_t s, const EventPtr& e) { b.stream_wait(to_stream(s), e); },
            py::call_guard<py::gil_scoped_release>())
+      // `for_waiter`: the caller waits for the event at once (Note [Waiter runs the copy]).
       .def("copy_to_host",
-           [](HostBackend& b, uintptr_t dst, uintptr_t src, size_t n, uintptr_t after) {
-             return b.copy_to_host(to_pointer(dst), to_pointer(src), n, to_stream(after));
+           [](HostBackend& b, uintptr_t dst, uintptr_t src, size_t n, uintptr_t after, bool for_waiter) {
+             return for_waiter ? b.copy_to_host_for_waiter(to_pointer(dst), to_pointer(src), n, to_stream(after))
+                               : b.copy_to_host(to_pointer(dst), to_pointer(src), n, to_stream(after));
            },
-           py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = 0)
+           py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = 0, py::arg("for_waiter") = false)
       .def("copy_to_device",
-           [](HostBackend& b, uintptr_t dst, uintptr_t src, size_t n, uintptr_t after) {
-             return b.copy_to_device(to_pointer(dst), to_pointer(src), n, to_stream(after));
+           [](HostBackend& b, uintptr_t dst, uintptr_t src, size_t n, uintptr_t after, bool for_waiter) {
+             return for_waiter ? b.copy_to_device_for_waiter(to_pointer(dst), to_pointer(src), n, to_stream(after))
+                               : b.copy_to_device(to_pointer(dst), to_pointer(src), n, to_stream(after));
            },
-           py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = 0)
+           py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("after") = 0, py::arg("for_waiter") = false)
       .def("pending_copies",
            [](HostBackend& b, const std::string& d) { return b.pending_copies(parse_direction(d)); })
       .def("copy_timeline", [](HostBackend& b) { return timeline_dict(b.copy_timeline()); },
@@ -244,6 +247,8 @@ void bind_events_and_backends(py::module_& core) {
              b.copy_timeline().set_enabled(record);
            },
            py::arg("record"), py::arg("clear") = true)
+      .def("set_waiter_runs_copies", &HostBackend::set_waiter_runs_copies, py::arg("on"),
+           "Note [Waiter runs the copy] on (default) or off.")
       .def("hold_stream", [](HostBackend& b, uintptr_t s) { b.hold_stream(to_stream(s)); })
       .def("release_stream", [](HostBackend& b, uintptr_t s) { b.release_stream(to_stream(s)); })
       // Test helpers: raw access to memory this backend handed out.

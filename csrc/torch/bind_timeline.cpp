@@ -23,6 +23,7 @@ py::dict timeline_dict(const CopyTotals& t, const std::vector<CopyRecord>& copy_
     totals[py::str(std::string("bytes.") + lanes[lane])] = t.bytes[lane];
     totals[py::str(std::string("busy_seconds.") + lanes[lane])] = t.busy_seconds[lane];
     totals[py::str(std::string("queued_seconds.") + lanes[lane])] = t.queued_seconds[lane];
+    totals[py::str(std::string("copies_by_waiter.") + lanes[lane])] = t.copies_by_waiter[lane];
   }
   totals["waits"] = t.waits;
   totals["wait_seconds"] = t.wait_seconds;
