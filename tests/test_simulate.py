@@ -729,3 +729,43 @@ def test_a_replays_inputs_are_not_positions_of_the_prediction(capfd):
     # The measured iteration's forward prices X against the last backward's order.
     logged = [line for line in capfd.readouterr().err.splitlines() if "iteration=1 phase=forward seq=11 " in line]
     assert len(logged) == 1 and "next_use=11 " in logged[0], logged
+
+
+def test_a_copy_in_is_priced_at_the_faster_of_two_paces():
+    # Note [Copy-in pace]. Forward saves eleven small W, R (20 MB, replays
+    # in 0.5 ms), H (100 MB, 0.5 s: the director swaps it), S and two small
+    # Y; S's pack starts H's background copy-out (watermark 20%), a second
+    # of compute completes it. Backward unpacks S and the W 5 ms apart, but
+    # one op takes 0.5 s: right after it the moving average of the pace is
+    # about 0.13 s per unpack, the last backward's mean about 0.04 s. Then a
+    # 40 MB temporary needs one victim: H, host-backed, needed two unpacks
+    # later (its 0.1 s copy-in hidden at the average, 20 ms late at the
+    # mean), or R. Priced at the average, H was released and its copy-in
+    # came 90 ms late (the Y take 10 ms); at the faster pace R is dropped
+    # and replayed in 0.5 ms.
+    from membudget._native import load_extension
+
+    MB = 1_000_000
+    w = list(range(11))
+    r_, h, s, y1, y2, t = 11, 12, 13, 14, 15, 16
+    prog = Program(tensor_bytes=[MB] * 11 + [20 * MB, 100 * MB, MB, MB, MB, 40 * MB])
+    prog.replay_seconds = [0.0] * 11 + [0.0005, 0.5, 0.0, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 18
+    for k in w + [r_, h, s, y1, y2]:
+        _save(prog, k, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    _use(prog, s, 0.005)
+    for k in w[:9]:
+        _use(prog, k, 0.005)
+    _use(prog, w[9], 0.5)
+    _use(prog, w[10], 0.005)
+    _temporary(prog, t, 0.005)
+    for k in (y1, y2, h, r_):
+        _use(prog, k, 0.005)
+    # No copies ahead: they would copy R to host too.
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 150 * MB, 1 << 40,
+                                    1e9, True, "delta", 200 * MB, 0.2, 2, "both", prog.replay_seconds,
+                                    prog.replay_input_offsets, prog.replay_inputs, copies_ahead=False)
+    assert r["feasible"] and r["eviction_count"] == 1, r
+    assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.0005), r
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-9), r

@@ -91,6 +91,11 @@ void ResidencyManager::start_iteration() {
   // the pace as one sample, a quarter of it at once (kEmaWeight): a pace
   // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
   // it every horizon the prefetcher and the director derive from it.
+  if (unpacks_this_backward_ > 1) {  // Note [Copy-in pace]
+    mean_unpack_interval_s_ = std::chrono::duration<double>(last_unpack_ - first_unpack_).count() /
+                              static_cast<double>(unpacks_this_backward_ - 1);
+  }
+  unpacks_this_backward_ = 0;
   last_unpack_ = {};
   ++iteration_;
   order_.begin_iteration();
@@ -441,7 +446,10 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   entry->last_access_ = ++clock_;
   // Note [Replay inputs]: an input a replay reads is no unpack of backward's.
   const bool replay_input = replays_in_progress_ > 0;
-  if (!replay_input) note_interval(unpack_interval_s_, last_unpack_);
+  if (!replay_input) {
+    note_interval(unpack_interval_s_, last_unpack_);
+    if (unpacks_this_backward_++ == 0) first_unpack_ = last_unpack_;  // Note [Copy-in pace]
+  }
   last_pack_ = {};
   if (!unpacked_since_pack_) backward_start_clock_ = clock_ - 1;  // the first unpack of a backward
   unpacked_since_pack_ = true;
@@ -755,6 +763,7 @@ void ResidencyManager::reset_prediction() {
   packs_last_iteration_ = 0;
   evicted_last_iteration_ = 0;
   largest_forward_request_last_iteration_ = 0;
+  mean_unpack_interval_s_ = 0.0;
 }
 
 std::string ResidencyManager::describe_evictable() const {

@@ -317,6 +317,11 @@ class ResidencyManager final : public Evictor {
   double unpack_interval_s_ = 0.0;                // EMA between unpacks of one backward
   std::chrono::steady_clock::time_point last_pack_{};
   std::chrono::steady_clock::time_point last_unpack_{};
+  // The mean gap between unpacks of the last completed backward, and what
+  // measures the current one (Note [Copy-in pace]).
+  double mean_unpack_interval_s_ = 0.0;
+  std::chrono::steady_clock::time_point first_unpack_{};
+  int64_t unpacks_this_backward_ = 0;
   uint64_t packs_last_iteration_ = 0;
   // The largest request forward's evictions served, this iteration and the
   // previous one (Note [Background target]).
