@@ -40,7 +40,8 @@ double ResidencyManager::seconds_available_for_copy_in(int64_t distance) const {
   // that comes late costs its lateness. So the time available is counted at
   // the smaller of the average and the last backward's mean pace (its
   // length over its unpacks): 1.0801 -> 1.0632 of the floor there (dtr
-  // 1.0708), no other cell's verdict moved (bench/RESULTS.md, "r50").
+  // 1.0708), no other cell's verdict moved (bench/RESULTS.md, "r50 on
+  // main after `sched`").
   const double pace = mean_unpack_interval_s_ > 0.0 ? std::min(unpack_interval_s_, mean_unpack_interval_s_)
                                                     : unpack_interval_s_;
   return static_cast<double>(std::max<int64_t>(distance, 0)) * pace;
