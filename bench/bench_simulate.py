@@ -108,7 +108,7 @@ def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, 
     def calibrate():
         model = dataclasses.asdict(costs.calibrate_cpu_host())
         out["calibrations"].append({key: model[key] for key in ("flops_per_s", "memory_bytes_per_s", "launch_s",
-                                                                 *_LINK_FIELDS)})
+                                                                 "link_rate_by_size", *_LINK_FIELDS)})
 
     def trace(name: str, index: int) -> str:
         path = trace_dir / f"{name}-{index}.trace"
@@ -153,6 +153,12 @@ def window_device(measured: dict):
         return base
     fields = {key: statistics.median(c[key] for c in calibrations)
               for key in ("memory_bytes_per_s", "launch_s", *_LINK_FIELDS)}
+    # Note [Rate by copy size]: each size's median (older saved runs have none).
+    sized = [c.get("link_rate_by_size") or () for c in calibrations]
+    fields["link_rate_by_size"] = ()
+    if all(len(s) == len(sized[0]) and s for s in sized):
+        fields["link_rate_by_size"] = tuple((size, statistics.median(s[i][1] for s in sized))
+                                            for i, (size, _) in enumerate(sized[0]))
     fields["flops_per_s"] = {k: statistics.median(c["flops_per_s"][k] for c in calibrations)
                              for k in calibrations[0]["flops_per_s"]}
     spread = {key: (min(c[key] for c in calibrations), max(c[key] for c in calibrations)) for key in _LINK_FIELDS}
@@ -162,7 +168,10 @@ def window_device(measured: dict):
             f"({spread['link_duplex_share'][0]:.2f}-{spread['link_duplex_share'][1]:.2f}), compute share "
             f"{fields['link_compute_share']:.2f} ({spread['link_compute_share'][0]:.2f}-"
             f"{spread['link_compute_share'][1]:.2f}), hand-off {fields['link_latency_s'] * 1e6:.0f} us "
-            f"({spread['link_latency_s'][0] * 1e6:.0f}-{spread['link_latency_s'][1] * 1e6:.0f})")
+            f"({spread['link_latency_s'][0] * 1e6:.0f}-{spread['link_latency_s'][1] * 1e6:.0f})"
+            + (", by copy size " + ", ".join(f"{size >> 10} KiB {rate / 1e9:.1f}"
+                                            for size, rate in fields["link_rate_by_size"]) + " GB/s"
+               if fields["link_rate_by_size"] else ", one rate for every copy size (no sizes calibrated)"))
     return dataclasses.replace(base, note=note, **fields)
 
 
@@ -270,7 +279,8 @@ def ablate(measured: dict) -> None:
     """The link model part by part against one measurement: main's model
     before this branch (torch copy rate, a GPU's pages), the host backend's
     copy rate alone, then with the duplex and compute shares, then with the
-    hand-off latency (the full window model)."""
+    hand-off latency, then with the rate by copy size (the full window model,
+    Note [Rate by copy size])."""
     import dataclasses
     import statistics
 
@@ -279,11 +289,12 @@ def ablate(measured: dict) -> None:
     variants = {
         f"torch copy rate ({torch_copy / 1e9:.1f} GB/s), 2 MiB pages": dataclasses.replace(
             final, link_bytes_per_s=torch_copy, link_duplex_share=1.0, link_compute_share=1.0, link_latency_s=0.0,
-            page_bytes=2 << 20),
+            page_bytes=2 << 20, link_rate_by_size=()),
         "host-backend copy rate": dataclasses.replace(final, link_duplex_share=1.0, link_compute_share=1.0,
-                                                      link_latency_s=0.0),
-        "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0),
-        "+ hand-off latency (the model)": final,
+                                                      link_latency_s=0.0, link_rate_by_size=()),
+        "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0, link_rate_by_size=()),
+        "+ hand-off latency": dataclasses.replace(final, link_rate_by_size=()),
+        "+ rate by copy size (the model)": final,
     }
     warmup = measured["warmup"]
     points = {(name, f): _median([x for r in runs if "error" not in r for x in _stall_and_recompute(r, warmup)])

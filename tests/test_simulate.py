@@ -471,6 +471,15 @@ def test_the_calibrated_host_model_never_copies_ahead():
     assert costs.device_model("h200").copies_ahead is True
 
 
+def test_the_calibrated_host_model_has_a_rate_per_copy_size():
+    # Note [Rate by copy size]: the host link is measured at each calibrated
+    # size; the GPUs' links have one rate.
+    cpu = costs.device_model("cpu-host")
+    assert [size for size, _ in cpu.link_rate_by_size] == list(costs._LINK_RATE_SIZES)
+    assert all(rate > 0 for _, rate in cpu.link_rate_by_size)
+    assert costs.device_model("h200").link_rate_by_size == ()
+
+
 def test_backward_pace_does_not_count_the_forward():
     # Note [Unpack pace]. Forward saves V (100 MB, replayable in 0.15 s), W
     # (10 MB) and A (100 MB) in 0.2 s; backward unpacks A, W, V 0.02 s apart,
@@ -769,3 +778,27 @@ def test_a_copy_in_is_priced_at_the_faster_of_two_paces():
     assert r["feasible"] and r["eviction_count"] == 1, r
     assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.0005), r
     assert r["stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_a_copy_runs_at_the_rate_for_its_size():
+    # Note [Rate by copy size]: 1 MB at 2 GB/s, 100 MB at 1 GB/s, and 10 MB
+    # half-way between them in log size (1.5 GB/s); each copied synchronously.
+    sizes = [1_000_000, 10_000_000, 100_000_000]
+    points = [(1e6, 2e9), (1e8, 1e9)]
+    for compute_share in (1.0, 0.5):  # the closed form and the piecewise path
+        for size in sizes:
+            prog = Program(tensor_bytes=[size])
+            prog.emit(Code.ALLOC, 0)
+            prog.emit(Code.OFFLOAD_SYNC, 0)
+            prog.emit(Code.FREE, 0)
+            r = _replay(prog, budget=1 << 30, link_compute_share=compute_share, link_rate_by_size=points)
+            rate = {1_000_000: 2e9, 10_000_000: 1.5e9, 100_000_000: 1e9}[size]
+            assert r["stall_s"] == pytest.approx(size / rate), (size, compute_share)
+    # Beyond the points the rate is the nearest point's; a rate must be positive.
+    prog = Program(tensor_bytes=[1000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_SYNC, 0)
+    prog.emit(Code.FREE, 0)
+    assert _replay(prog, budget=1 << 30, link_rate_by_size=points)["stall_s"] == pytest.approx(1000 / 2e9)
+    with pytest.raises(ValueError, match="rate_by_size"):
+        _replay(prog, budget=1 << 30, link_rate_by_size=[(1e6, 0.0)])

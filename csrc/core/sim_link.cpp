@@ -1,13 +1,46 @@
 #include "sim_link.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 
 namespace membudget {
 
-SimLink::SimLink(std::shared_ptr<SimClock> clock, const LinkModel& model)
-    : clock_(std::move(clock)), model_(model) {}
+double LinkModel::rate_for(size_t bytes) const {
+  if (rate_by_size.empty()) return bytes_per_s;
+  const double size = std::max(1.0, static_cast<double>(bytes));
+  if (size <= rate_by_size.front().first) return rate_by_size.front().second;
+  if (size >= rate_by_size.back().first) return rate_by_size.back().second;
+  for (size_t i = 1; i < rate_by_size.size(); ++i) {
+    const auto& [hi_bytes, hi_rate] = rate_by_size[i];
+    if (size > hi_bytes) continue;
+    const auto& [lo_bytes, lo_rate] = rate_by_size[i - 1];
+    const double t = std::log(size / lo_bytes) / std::log(hi_bytes / lo_bytes);
+    return lo_rate + t * (hi_rate - lo_rate);
+  }
+  return rate_by_size.back().second;
+}
 
-double SimLink::copy_seconds(size_t bytes) const { return static_cast<double>(bytes) / model_.bytes_per_s; }
+namespace {
+
+// The model with its rate points in order of size; refuses points that
+// cannot be a rate.
+LinkModel checked(LinkModel model) {
+  std::sort(model.rate_by_size.begin(), model.rate_by_size.end());
+  for (const auto& [bytes, rate] : model.rate_by_size) {
+    if (!(bytes > 0.0) || !(rate > 0.0)) {
+      throw std::invalid_argument("LinkModel: rate_by_size needs positive sizes and rates");
+    }
+  }
+  return model;
+}
+
+}  // namespace
+
+SimLink::SimLink(std::shared_ptr<SimClock> clock, const LinkModel& model)
+    : clock_(std::move(clock)), model_(checked(model)) {}
+
+double SimLink::copy_seconds(size_t bytes) const { return static_cast<double>(bytes) / model_.rate_for(bytes); }
 
 std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes) {
   const int lane = static_cast<int>(direction);
@@ -15,6 +48,7 @@ std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes)
   copy->direction = direction;
   copy->bytes = bytes;
   copy->remaining = static_cast<double>(bytes);
+  copy->rate = model_.rate_for(bytes);
   copy->enqueued_s = clock_->now;
   // The hand-off is the worker's wake-up: behind a queued copy the worker is
   // awake and takes this one as soon as the one before it is done.
@@ -105,27 +139,30 @@ void SimLink::advance(double until, bool computing, const SimCopy* stop) {
       active[lane] = !lanes_[lane].empty() && lanes_[lane].front()->ready_s <= clock_->now;
       if (!lanes_[lane].empty() && !active[lane]) next_ready = std::min(next_ready, lanes_[lane].front()->ready_s);
     }
-    double rate = model_.bytes_per_s * (computing ? model_.compute_share : 1.0);
-    if (active[0] && active[1]) rate *= model_.duplex_share;
+    double share = computing ? model_.compute_share : 1.0;
+    if (active[0] && active[1]) share *= model_.duplex_share;
+    double rate[2] = {0.0, 0.0};
+    for (int lane = 0; lane < 2; ++lane) {
+      if (active[lane]) rate[lane] = lanes_[lane].front()->rate * share;
+    }
     // Rates are constant until a head copy finishes or a waiting one becomes ready.
     double step = next_ready - clock_->now;
     for (int lane = 0; lane < 2; ++lane) {
-      if (active[lane]) step = std::min(step, lanes_[lane].front()->remaining / rate);
+      if (active[lane]) step = std::min(step, lanes_[lane].front()->remaining / rate[lane]);
     }
     if (step == kNever) {  // nothing queued
       if (until != kNever) clock_->now = std::max(clock_->now, until);
       return;
     }
     if (clock_->now + step > until) {
-      const double moved = rate * (until - clock_->now);
       for (int lane = 0; lane < 2; ++lane) {
-        if (active[lane]) lanes_[lane].front()->remaining -= moved;
+        if (active[lane]) lanes_[lane].front()->remaining -= rate[lane] * (until - clock_->now);
       }
       clock_->now = until;
       return;
     }
     for (int lane = 0; lane < 2; ++lane) {
-      if (active[lane]) lanes_[lane].front()->remaining -= rate * step;
+      if (active[lane]) lanes_[lane].front()->remaining -= rate[lane] * step;
     }
     clock_->now += step;
     for (int lane = 0; lane < 2; ++lane) {

@@ -15,7 +15,17 @@
 // tensor on the host costs about as much in hand-offs as in memcpy), except
 // that a copy waited for while it is still queued at the head of an idle
 // stream starts at once (the waiter runs it itself: Note [Waiter runs the
-// copy] in host_backend.cpp). Then a copy's rate changes whenever the other direction
+// copy] in host_backend.cpp).
+//
+// Note [Rate by copy size]: memcpy on the host is faster for copies whose
+// buffers the caches still hold: HostBackend's copies of 0.25, 1, 4 and 8 MiB
+// over 8 rotating buffers ran at 47, 26, 13 and 11 GB/s on this machine
+// (32 MiB L3). The benches swap 0.5-2 MiB activations on the CNN and 4-8 MiB
+// on GPT-2, so one calibrated rate cannot serve both (issue 4's validation:
+// with the 4 MiB rate the CNN's copy waits came out 3x the measured). The
+// cpu-host model therefore carries the rate at several sizes, and a copy runs
+// at the rate interpolated for its size (linear in log bytes, clamped at the
+// ends); the GPUs' links have one rate. Then a copy's rate changes whenever the other direction
 // starts or ends, or the compute stream stalls (waiting for a copy frees the
 // compute thread's core and bandwidth), so copies are advanced piecewise as the
 // clock moves, and an event's end time is known only once its copy is done.
@@ -25,6 +35,8 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "backend.h"
 #include "copy_timeline.h"
@@ -44,6 +56,11 @@ struct LinkModel {
   double duplex_share = 1.0;   // fraction of the rate each direction gets while both copy
   double compute_share = 1.0;  // fraction of the rate a copy gets while compute runs
   double latency_s = 0.0;      // from issue to the earliest start of a copy
+  // Note [Rate by copy size]: (bytes, bytes per second) points, by bytes;
+  // empty: every copy at `bytes_per_s`.
+  std::vector<std::pair<double, double>> rate_by_size;
+  // One copy's rate, alone with the compute stream idle.
+  double rate_for(size_t bytes) const;
   // The GPU case: each direction independent of everything else, and no
   // hand-off (the closed form knows each copy's end when it is issued).
   bool independent() const { return duplex_share >= 1.0 && compute_share >= 1.0 && latency_s <= 0.0; }
@@ -54,6 +71,7 @@ struct SimCopy {
   CopyDirection direction = CopyDirection::device_to_host;
   size_t bytes = 0;
   double remaining = 0.0;   // bytes still to move (piecewise path)
+  double rate = 0.0;        // LinkModel::rate_for(bytes)
   double enqueued_s = 0.0;
   double ready_s = 0.0;     // enqueued_s + the link's latency: it cannot start before
   double started_s = -1.0;  // when it reached the head of its stream (and was ready)

@@ -76,6 +76,11 @@ class DeviceModel:
     #: hand-off to its copy thread and back; kept 0 for the GPUs, whose copy
     #: launch costs microseconds against milliseconds of copying).
     link_latency_s: float = 0.0
+    #: Note [Rate by copy size] (csrc/core/sim_link.h): ``(bytes, bytes/s)``
+    #: points, a copy's rate alone by its size, interpolated in log bytes and
+    #: clamped at the ends; empty (the GPUs): every copy at ``link_bytes_per_s``.
+    #: The host backend's memcpy is faster while the caches hold its buffers.
+    link_rate_by_size: Tuple[Tuple[int, float], ...] = ()
     #: The granularity of expandable segments' pages: a GPU's physical
     #: allocation granularity, or the OS page on the host backend.
     page_bytes: int = 2 << 20
@@ -177,7 +182,9 @@ def calibrate_cpu_host() -> DeviceModel:
     note = (f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch; "
             + (f"host backend copies {link_rate / 1e9:.1f} GB/s alone, {link['both_bytes_per_s'] / 1e9:.1f} GB/s "
                f"both directions together, x{link['compute_share']:.2f} beside compute, "
-               f"{link['latency_s'] * 1e6:.0f} us hand-off)" if link else
+               f"{link['latency_s'] * 1e6:.0f} us hand-off; by copy size "
+               + ", ".join(f"{size >> 10} KiB {rate / 1e9:.1f}" for size, rate in link["rate_by_size"])
+               + " GB/s)" if link else
                "no native build: link = torch copy rate)"))
     return DeviceModel(
         name="cpu-host", memory_bytes=int(physical_memory_bytes()),
@@ -186,13 +193,18 @@ def calibrate_cpu_host() -> DeviceModel:
         memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=link_rate, launch_s=launch, note=note,
         link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
         link_latency_s=link["latency_s"] if link else 0.0,
-        link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False)
+        link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False,
+        link_rate_by_size=link["rate_by_size"] if link else ())
 
 
 #: Copies of this size calibrate the host link: what the benches swap (saved
 #: activations of 1-8 MiB), over more buffers than the last-level cache holds.
 _LINK_COPY_BYTES = 4 << 20
 _LINK_BUFFERS = 8
+#: Note [Rate by copy size]: the sizes the rate alone is also measured at,
+#: over the same buffers, warm (a 256 KiB copy's eight buffers stay in the
+#: caches, an 8 MiB one's do not).
+_LINK_RATE_SIZES = (256 << 10, 1 << 20, _LINK_COPY_BYTES, 8 << 20)
 
 
 def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
@@ -201,9 +213,10 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
     [Copy timeline]): one direction alone; both directions at once
     (``duplex_share``: each one's rate then, over its rate alone); one
     direction while this thread runs compute (``compute_share``: that rate over
-    the rate alone); and ``latency_s``, the median time a synchronous copy of
+    the rate alone); ``latency_s``, the median time a synchronous copy of
     one page takes beyond its memcpy (the hand-off to the copy thread and the
-    wake-up of the waiter). Each the median of ``trials`` rounds: other
+    wake-up of the waiter); and ``rate_by_size``, one direction alone at each
+    of ``_LINK_RATE_SIZES`` (Note [Rate by copy size]). Each the median of ``trials`` rounds: other
     processes on the machine take cores from the copy threads or from the
     compute thread at random, which moves single rounds either way. None
     without the native extension."""
@@ -214,25 +227,26 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
     except Exception:  # noqa: BLE001 - no native build: the caller falls back to torch's copy rate
         return None
     backend = core.HostBackend(0)
-    device = [backend.device_alloc(_LINK_COPY_BYTES) for _ in range(_LINK_BUFFERS)]
-    host = [backend.host_alloc(_LINK_COPY_BYTES) for _ in range(_LINK_BUFFERS)]
-    fill = b"\x01" * _LINK_COPY_BYTES
+    largest = max(_LINK_COPY_BYTES, *_LINK_RATE_SIZES)
+    device = [backend.device_alloc(largest) for _ in range(_LINK_BUFFERS)]
+    host = [backend.host_alloc(largest) for _ in range(_LINK_BUFFERS)]
+    fill = b"\x01" * largest
     for address in device + host:
         backend.write_bytes(address, fill)
     # Compute that, like a training step's, streams through memory as well as
     # multiplying: a matmul and a pointwise op over a few MiB.
     a, w, x = torch.randn(1024, 256), torch.randn(256, 512), torch.randn(1024, 1024)
 
-    def rates(directions: Tuple[str, ...], computing: bool) -> Dict[str, float]:
+    def rates(directions: Tuple[str, ...], computing: bool, size: int = _LINK_COPY_BYTES) -> Dict[str, float]:
         backend.set_copy_timeline(False, True)
         events = []
         for _ in range(2):
             for i in range(_LINK_BUFFERS):
                 if "d2h" in directions:
-                    events.append(backend.copy_to_host(host[i], device[i], _LINK_COPY_BYTES))
+                    events.append(backend.copy_to_host(host[i], device[i], size))
                 if "h2d" in directions:
                     events.append(backend.copy_to_device(device[(i + 1) % _LINK_BUFFERS],
-                                                         host[(i + 3) % _LINK_BUFFERS], _LINK_COPY_BYTES))
+                                                         host[(i + 3) % _LINK_BUFFERS], size))
         while computing and not events[-1].ready():
             torch.mm(a, w)
             torch.nn.functional.gelu(x)
@@ -241,6 +255,13 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
         totals = backend.copy_timeline()["totals"]
         return {lane: totals[f"bytes.{lane}"] / totals[f"busy_seconds.{lane}"]
                 for lane in directions if totals[f"busy_seconds.{lane}"] > 0}
+
+    def warm_rate(size: int) -> float:
+        # Note [Rate by copy size]: a copy-out reads an activation that compute
+        # has just written, so the buffers are copied once untimed first: they
+        # then stay in the caches as far as the caches hold them.
+        rates(("d2h",), False, size)
+        return rates(("d2h",), False, size)["d2h"]
 
     def latency() -> float:
         backend.set_copy_timeline(False, True)
@@ -255,15 +276,17 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
 
     try:
         rounds = [(rates(("d2h",), False)["d2h"], sum(rates(("d2h", "h2d"), False).values()),
-                   rates(("d2h",), True)["d2h"], latency()) for _ in range(trials)]
-        alone, both, beside, hand_off = (statistics.median(values) for values in zip(*rounds))
+                   rates(("d2h",), True)["d2h"], latency(),
+                   *(warm_rate(size) for size in _LINK_RATE_SIZES)) for _ in range(trials)]
+        alone, both, beside, hand_off, *by_size = (statistics.median(values) for values in zip(*rounds))
     finally:
         for address in device:
-            backend.device_free(address, _LINK_COPY_BYTES)
+            backend.device_free(address, largest)
         for address in host:
-            backend.host_free(address, _LINK_COPY_BYTES)
+            backend.host_free(address, largest)
     return {"bytes_per_s": alone, "both_bytes_per_s": both, "duplex_share": min(1.0, both / (2 * alone)),
-            "compute_share": max(0.05, min(1.0, beside / alone)), "latency_s": hand_off}
+            "compute_share": max(0.05, min(1.0, beside / alone)), "latency_s": hand_off,
+            "rate_by_size": tuple(zip(_LINK_RATE_SIZES, by_size))}
 
 
 DEVICES: Tuple[str, ...] = ("cpu-host", *_STATIC_DEVICES)

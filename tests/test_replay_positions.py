@@ -1,15 +1,15 @@
-"""Note [Prefetch lookback] (csrc/core/residency_manager.cpp, issue_prefetches):
-the prefetcher also tries entries predicted up to kPrefetchLookback positions
-before the current unpack position, on host and not yet unpacked in this
-backward.
+"""Note [Replay inputs] (csrc/core/residency_manager.h): an iteration that
+replays what the previous one did not still prefetches by the previous
+iteration's prediction, because the inputs a replay materializes are not
+positions of the unpack order.
 
-Positions count the unpacks of a backward and also the materializations a
-replay makes of its managed inputs. An iteration that recomputes what the
-previous one did not therefore runs ahead of the order predicted from it, and
-the prefetch cursor, which only moves forward from the current position, can
-jump over an entry still to come. A hand-built program, replayed through the
-real allocator and residency manager in the simulator (Note [Replay
-programs]), makes it happen:
+Were they positions, such an iteration would run ahead of the order predicted
+from the last one, and the prefetch cursor, which starts at the current
+position, would jump over an entry still to come (an earlier build looked 32
+positions back for such entries, Note [Prefetch lookback]; this test was
+written for it and now fails without Note [Replay inputs] instead). A
+hand-built program, replayed through the real allocator and residency manager
+in the simulator (Note [Replay programs]), makes it happen:
 
 * Forward saves X (90 MB) and B (100 MB); a 250 MB temporary under a 300 MB
   budget sends both to host (neither is recomputable). Then I1 and I2 (10 MB
@@ -19,21 +19,20 @@ programs]), makes it happen:
   100 ms op), X, I2, I1. Link 1 GB/s, prefetch window 50 MB, no background
   copies and no copies ahead (a watermark at the budget; copies_ahead off as
   on the CPU, or Note [Link behind] would issue X past the window at
-  backward's first unpack, and nothing would hold it back to be looked for).
+  backward's first unpack, and nothing would hold it back).
 * Iteration 1 has no prediction, prefetches nothing, and T2 fits beside I1,
   I2 and U (230 MB): nothing is replayed, and its unpack order
   W3 W2 W1 U B X I2 I1 predicts B at position 4 and X at 5.
 * Iteration 2 (measured) prefetches B at W3's unpack; B alone overfills the
   window, so X is held back and the cursor waits at X's position (5). With B
   on the device T2 no longer fits: U, the one victim not just prefetched, is
-  dropped (a 10 ms replay against a 100 ms swap). U's unpack replays it, and
-  materializing I1 and I2 takes positions 4 and 5, so B's unpack is position 6:
-  two ahead of its prediction. B's unpack frees the window, but the cursor
-  moves on to the current position (7), past X's predicted 5.
-
-Without the lookback X is never prefetched: its unpack misses and waits for
-the whole 90 ms copy. With it, B's unpack issues X's copy-in, which arrives
-during B's 100 ms op.
+  dropped (a 10 ms replay against a 100 ms swap). U's unpack replays it and
+  materializes I1 and I2. Counted as positions they would make B's unpack
+  position 6, two ahead of its prediction, and the cursor would move on from
+  there, past X's predicted 5: X never prefetched, its unpack waiting for the
+  whole 90 ms copy. Not counted, B's unpack is position 4 and frees the
+  window, and the cursor, still at 5, issues X's copy-in, which arrives
+  during B's 100 ms op.
 """
 import pytest
 
@@ -81,7 +80,7 @@ def _program():
     prog = Program(tensor_bytes=[SIZES_MB[t] * MB for t in range(len(SIZES_MB))])
     prog.replay_seconds = [U_REPLAY if t == U else 0.0 for t in range(len(SIZES_MB))]
     prog.replay_input_offsets = [0 if t <= U else 2 for t in range(len(SIZES_MB) + 1)]
-    prog.replay_inputs = [I1, I2]  # U's replay materializes both: two positions
+    prog.replay_inputs = [I1, I2]  # U's replay materializes both (no positions: Note [Replay inputs])
     _save(prog, X, release=True)
     _save(prog, B, release=True)
     _temporary(prog, T1)
@@ -118,19 +117,19 @@ def test_the_first_iteration_replays_nothing():
     assert r["recompute_count"] == 0
 
 
-def test_an_entry_the_positions_ran_past_is_still_prefetched():
+def test_an_iteration_that_replays_more_still_prefetches_in_time():
     r = _replay(iterations=2)
     assert r["feasible"], r["error"]
-    # U dropped and replayed (X and B swapped): the positions ran two ahead.
+    # U dropped and replayed (X and B swapped): what the prediction lacks.
     assert r["eviction_count"] == 3 and r["drop_count"] == 1 and r["recompute_count"] == 1
     assert r["swap_in_bytes"] == (90 + 100) * MB
     # X prefetched as well as B: no miss, and no unpack waits.
     assert (r["prefetch_hits"], r["prefetch_misses"]) == (2, 0), f"X's unpack stalled {r['unpack_stall_s']} s"
     assert r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9)
-    # X's copy-in was issued at B's unpack (the cursor had passed X's
-    # predicted position: only the lookback looks there), not earlier (the
-    # window was full) nor at X's unpack (a miss): from B's copy-in, issued
-    # at W3's unpack, three W ops, T2's op, U's replay and U's op.
+    # X's copy-in was issued at B's unpack, when B freed the window: not
+    # earlier (the window was full) nor at X's unpack (a miss): from B's
+    # copy-in, issued at W3's unpack, three W ops, T2's op, U's replay and
+    # U's op.
     copies_in = {c[2]: c for c in r["timeline"]["copies"] if c[1] == "h2d"}
     assert sorted(copies_in) == [90 * MB, 100 * MB]
     issued_x, issued_b = copies_in[90 * MB][3], copies_in[100 * MB][3]
