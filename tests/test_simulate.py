@@ -673,6 +673,16 @@ def test_background_copies_cover_the_largest_forward_request():
     assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
 
 
+def _both_actions_without_copies_ahead(prog):
+    """``prog`` through the delta manager with both actions: a 150 MB budget,
+    a 200 MB prefetch window, a 20% watermark, 1 GB/s, no copies ahead."""
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 150_000_000,
+                                       1 << 40, 1e9, True, "delta", 200_000_000, 0.2, 2, "both", prog.replay_seconds,
+                                       prog.replay_input_offsets, prog.replay_inputs, copies_ahead=False)
+
+
 def test_delta_releases_a_host_backed_victim_before_dropping_another():
     # Note [Host-backed victims]. Forward saves D (100 MB, replays in 0.03 s)
     # and R (20 MB, 0.01 s); a 100 MB temporary drops D (the only victim
@@ -683,8 +693,6 @@ def test_delta_releases_a_host_backed_victim_before_dropping_another():
     # and R's uses), or R. Priced with its dropped neighbour D's replay (DTR's
     # neighbourhood), H ranked below R and R was dropped: 0.04 s of replay
     # in all instead of D's 0.03 s.
-    from membudget._native import load_extension
-
     MB = 1_000_000
     prog = Program(tensor_bytes=[100 * MB, 20 * MB, 100 * MB, 20 * MB, 120 * MB, MB])  # D, R, T1, H, T2, S
     prog.replay_seconds = [0.03, 0.01, 0.0, 0.05, 0.0, 0.0]
@@ -700,9 +708,7 @@ def test_delta_releases_a_host_backed_victim_before_dropping_another():
     for t in (5, 1, 3, 0):
         _use(prog, t, 0.1)
     # No copies ahead: they would copy R and D to host too.
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 150 * MB, 1 << 40,
-                                    1e9, True, "delta", 200 * MB, 0.2, 2, "both", prog.replay_seconds,
-                                    prog.replay_input_offsets, prog.replay_inputs, copies_ahead=False)
+    r = _both_actions_without_copies_ahead(prog)
     assert r["feasible"] and r["eviction_count"] == 2, r
     assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.03), r
     assert r["swap_in_bytes"] == 20 * MB and r["stall_s"] == pytest.approx(0.0, abs=1e-9), r
@@ -752,8 +758,6 @@ def test_a_copy_in_is_priced_at_the_faster_of_two_paces():
     # mean), or R. Priced at the average, H was released and its copy-in
     # came 90 ms late (the Y take 10 ms); at the faster pace R is dropped
     # and replayed in 0.5 ms.
-    from membudget._native import load_extension
-
     MB = 1_000_000
     w = list(range(11))
     r_, h, s, y1, y2, t = 11, 12, 13, 14, 15, 16
@@ -772,9 +776,7 @@ def test_a_copy_in_is_priced_at_the_faster_of_two_paces():
     for k in (y1, y2, h, r_):
         _use(prog, k, 0.005)
     # No copies ahead: they would copy R to host too.
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 150 * MB, 1 << 40,
-                                    1e9, True, "delta", 200 * MB, 0.2, 2, "both", prog.replay_seconds,
-                                    prog.replay_input_offsets, prog.replay_inputs, copies_ahead=False)
+    r = _both_actions_without_copies_ahead(prog)
     assert r["feasible"] and r["eviction_count"] == 1, r
     assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.0005), r
     assert r["stall_s"] == pytest.approx(0.0, abs=1e-9), r
