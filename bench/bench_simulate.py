@@ -169,9 +169,7 @@ def window_device(measured: dict):
             f"{fields['link_compute_share']:.2f} ({spread['link_compute_share'][0]:.2f}-"
             f"{spread['link_compute_share'][1]:.2f}), hand-off {fields['link_latency_s'] * 1e6:.0f} us "
             f"({spread['link_latency_s'][0] * 1e6:.0f}-{spread['link_latency_s'][1] * 1e6:.0f})"
-            + (", by copy size " + ", ".join(f"{size >> 10} KiB {rate / 1e9:.1f}"
-                                            for size, rate in fields["link_rate_by_size"]) + " GB/s"
-               if fields["link_rate_by_size"] else ", one rate for every copy size (no sizes calibrated)"))
+            + (", " + costs.describe_rate_by_size(fields["link_rate_by_size"]) if fields["link_rate_by_size"] else ", one rate for every copy size (no sizes calibrated)"))
     return dataclasses.replace(base, note=note, **fields)
 
 

@@ -316,14 +316,19 @@ def test_copy_starts_a_latency_after_it_is_issued(compute_share, stall):
     assert r["timeline"]["totals"]["copies_by_waiter.d2h"] == 0
 
 
-def test_waiter_runs_a_copy_still_waiting_for_its_hand_off():
-    # Note [Waiter runs the copy]: a synchronous copy is waited for at once;
-    # the waiter takes it from the idle stream's queue and no hand-off is paid.
-    prog = Program(tensor_bytes=[100_000_000])
+def _one_sync_copy(size):
+    """A ``size``-byte tensor copied to host synchronously, then freed."""
+    prog = Program(tensor_bytes=[size])
     prog.emit(Code.ALLOC, 0)
     prog.emit(Code.OFFLOAD_SYNC, 0)
     prog.emit(Code.FREE, 0)
-    r = _replay(prog, budget=1 << 30, link_latency_s=0.01, link_compute_share=0.5)
+    return prog
+
+
+def test_waiter_runs_a_copy_still_waiting_for_its_hand_off():
+    # Note [Waiter runs the copy]: a synchronous copy is waited for at once;
+    # the waiter takes it from the idle stream's queue and no hand-off is paid.
+    r = _replay(_one_sync_copy(100_000_000), budget=1 << 30, link_latency_s=0.01, link_compute_share=0.5)
     assert r["stall_s"] == pytest.approx(0.1)
     (copy,) = r["timeline"]["copies"]
     assert copy[3:] == pytest.approx((0.0, 0.0, 0.1))
@@ -789,18 +794,12 @@ def test_a_copy_runs_at_the_rate_for_its_size():
     points = [(1e6, 2e9), (1e8, 1e9)]
     for compute_share in (1.0, 0.5):  # the closed form and the piecewise path
         for size in sizes:
-            prog = Program(tensor_bytes=[size])
-            prog.emit(Code.ALLOC, 0)
-            prog.emit(Code.OFFLOAD_SYNC, 0)
-            prog.emit(Code.FREE, 0)
-            r = _replay(prog, budget=1 << 30, link_compute_share=compute_share, link_rate_by_size=points)
+            r = _replay(_one_sync_copy(size), budget=1 << 30, link_compute_share=compute_share,
+                        link_rate_by_size=points)
             rate = {1_000_000: 2e9, 10_000_000: 1.5e9, 100_000_000: 1e9}[size]
             assert r["stall_s"] == pytest.approx(size / rate), (size, compute_share)
     # Beyond the points the rate is the nearest point's; a rate must be positive.
-    prog = Program(tensor_bytes=[1000])
-    prog.emit(Code.ALLOC, 0)
-    prog.emit(Code.OFFLOAD_SYNC, 0)
-    prog.emit(Code.FREE, 0)
+    prog = _one_sync_copy(1000)
     assert _replay(prog, budget=1 << 30, link_rate_by_size=points)["stall_s"] == pytest.approx(1000 / 2e9)
     with pytest.raises(ValueError, match="rate_by_size"):
         _replay(prog, budget=1 << 30, link_rate_by_size=[(1e6, 0.0)])

@@ -578,7 +578,8 @@ void ResidencyManager::issue_prefetches(Stream stream) {
   // behind `now` was needed while a replay's inputs counted as positions and
   // ran an iteration that replayed more ahead of its prediction; with them
   // left out it changed no number of bench/sim_targets.py or
-  // sim_cpu_targets.py, and tests/test_prefetch_lookback.py passes without it.)
+  // sim_cpu_targets.py, and tests/test_replay_positions.py, written for it,
+  // passes without it.)
   int64_t cursor = std::max(prefetch_cursor_, now);
   for (; cursor < order_.predicted_length(); ++cursor) {
     if (try_prefetch(cursor) < 0) break;

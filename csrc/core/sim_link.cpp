@@ -58,7 +58,7 @@ std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes)
     // Closed form: a FIFO at a fixed rate (Note [Modelled time]).
     const double start = std::max(copy->ready_s, lane_free_at_[lane]);
     copy->started_s = start;
-    copy->done_at = start + copy_seconds(bytes);
+    copy->done_at = start + static_cast<double>(bytes) / copy->rate;
     lane_free_at_[lane] = copy->done_at;
     copy->index = clock_->timeline.add_copy(CopyRecord{-1, direction, bytes, clock_->now, start, copy->done_at});
   } else if (lanes_[lane].empty()) {

@@ -182,9 +182,8 @@ def calibrate_cpu_host() -> DeviceModel:
     note = (f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch; "
             + (f"host backend copies {link_rate / 1e9:.1f} GB/s alone, {link['both_bytes_per_s'] / 1e9:.1f} GB/s "
                f"both directions together, x{link['compute_share']:.2f} beside compute, "
-               f"{link['latency_s'] * 1e6:.0f} us hand-off; by copy size "
-               + ", ".join(f"{size >> 10} KiB {rate / 1e9:.1f}" for size, rate in link["rate_by_size"])
-               + " GB/s)" if link else
+               f"{link['latency_s'] * 1e6:.0f} us hand-off; {describe_rate_by_size(link['rate_by_size'])})"
+               if link else
                "no native build: link = torch copy rate)"))
     return DeviceModel(
         name="cpu-host", memory_bytes=int(physical_memory_bytes()),
@@ -195,6 +194,12 @@ def calibrate_cpu_host() -> DeviceModel:
         link_latency_s=link["latency_s"] if link else 0.0,
         link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False,
         link_rate_by_size=link["rate_by_size"] if link else ())
+
+
+def describe_rate_by_size(points: Iterable[Tuple[int, float]]) -> str:
+    """``link_rate_by_size`` in words, e.g. ``by copy size 256 KiB 23.0, 1024
+    KiB 29.8 GB/s`` (Note [Rate by copy size])."""
+    return "by copy size " + ", ".join(f"{size >> 10} KiB {rate / 1e9:.1f}" for size, rate in points) + " GB/s"
 
 
 #: Copies of this size calibrate the host link: what the benches swap (saved
