@@ -19,8 +19,8 @@
 //
 // Note [Rate by copy size]: memcpy on the host is faster for copies whose
 // buffers the caches still hold: HostBackend's copies of 0.25, 1, 4 and 8 MiB
-// over 8 rotating buffers ran at 47, 26, 13 and 11 GB/s on this machine
-// (32 MiB L3). The benches swap 0.5-2 MiB activations on the CNN and 4-8 MiB
+// over 8 rotating buffers, warm, ran at 22, 30, 13 and 12 GB/s on this
+// machine (32 MiB L3; costs.py's calibration, bench/RESULTS.md). The benches swap 0.5-2 MiB activations on the CNN and 4-8 MiB
 // on GPT-2, so one calibrated rate cannot serve both (issue 4's validation:
 // with the 4 MiB rate the CNN's copy waits came out 3x the measured). The
 // cpu-host model therefore carries the rate at several sizes, and a copy runs
