@@ -194,6 +194,29 @@ def test_a_tensor_saved_by_the_last_op_is_packed():
     assert codes == [Code.ALLOC, Code.PACK, Code.RELEASE, Code.FREE], codes
 
 
+def test_packs_before_one_op_follow_autograd_order():
+    # Note [Pack order] (membudget.replay_program): autograd packed tensor 1
+    # before tensor 0 (made first) ahead of the same op; the simulated
+    # manager must number them as the runtime does, or its predicted next
+    # uses, background copies and victims differ from the real run's.
+    from membudget.replay_program import compile_program
+    from membudget.trace import Trace, TraceOp, TraceTensor
+
+    ops = [TraceOp(index=0, name="aten.native_dropout.default", phase="forward", category="elementwise", flops=0,
+                   bytes_read=MiB, bytes_written=2 * MiB, duration_s=1e-3, outputs=[0, 1]),
+           TraceOp(index=1, name="aten.sum.default", phase="forward", category="reduction", flops=0,
+                   bytes_read=MiB, bytes_written=4, duration_s=1e-3, inputs=[1]),
+           TraceOp(index=2, name="aten.mul.Tensor", phase="backward", category="elementwise", flops=0,
+                   bytes_read=2 * MiB, bytes_written=MiB, duration_s=1e-3, inputs=[1, 0])]
+    tensors = [TraceTensor(id=t, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=0, consumers=[2], saved=True,
+                           dies_after=2, kind="activation") for t in (0, 1)]
+    trace = Trace(ops=ops, tensors=tensors, pack_order=[1, 0], pack_ops=[1, 1], unpack_order=[0, 1],
+                  unpack_ops=[2, 2])
+    prog = compile_program(trace, [1e-3] * 3, "manager", min_tensor_bytes=1)
+    packs = [tid for code, tid in zip(prog.codes, prog.tensors) if code == Code.PACK]
+    assert packs == [1, 0], packs
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}
