@@ -217,6 +217,40 @@ def test_packs_before_one_op_follow_autograd_order():
     assert packs == [1, 0], packs
 
 
+def test_a_saved_tensor_is_released_where_the_step_let_it_go():
+    # Note [Released by the step] (membudget.tracer): tensor 0 was let go
+    # after the pack of tensor 1 (ahead of op 2), not after its last forward
+    # use (op 1); tensor 2 (the batch, say) was held through forward, so
+    # nothing releases it before backward unpacks it.
+    from membudget.replay_program import compile_program
+    from membudget.trace import Trace, TraceOp, TraceTensor
+
+    def op(index, phase, inputs, outputs):
+        return TraceOp(index=index, name="aten.mul.Tensor", phase=phase, category="elementwise", flops=0,
+                       bytes_read=MiB, bytes_written=MiB, duration_s=1e-3, inputs=inputs, outputs=outputs)
+
+    ops = [op(0, "forward", [], [2]), op(1, "forward", [2], [0]), op(2, "forward", [0], [1]),
+           op(3, "forward", [1], [3]), op(4, "backward", [0, 1, 2], [4])]
+    tensors = [TraceTensor(id=t, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=p, saved=s, dies_after=d,
+                           kind="activation", released_before=rb, released_after_packs=ra)
+               for t, p, s, d, rb, ra in [(0, 1, True, 4, 3, 3), (1, 2, True, 4, 3, 3), (2, 0, True, 4, -1, None),
+                                          (3, 3, False, 3, None, None), (4, 4, False, 4, None, None)]]
+    for t in tensors:
+        t.consumers = [o.index for o in ops if t.id in o.inputs]
+    trace = Trace(ops=ops, tensors=tensors, pack_order=[2, 0, 1], pack_ops=[1, 2, 3], unpack_order=[0, 1, 2],
+                  unpack_ops=[4, 4, 4])
+    prog = compile_program(trace, [1e-3] * 5, "manager", min_tensor_bytes=1)
+    events = [(code, tid) for code, tid in zip(prog.codes, prog.tensors)
+              if code in (Code.PACK, Code.RELEASE, Code.UNPACK, Code.COMPUTE)]
+    computes = [i for i, (code, _) in enumerate(events) if code == Code.COMPUTE]
+    # Before op 3 (the fourth compute): tensor 1's pack, then tensor 0's release.
+    between = events[computes[2] + 1:computes[3]]
+    assert between == [(Code.PACK, 1), (Code.RELEASE, 0), (Code.RELEASE, 1)], between
+    # Tensor 2: no release before its unpack in backward.
+    first_unpack = events.index((Code.UNPACK, 2))
+    assert (Code.RELEASE, 2) not in events[:first_unpack], events
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}

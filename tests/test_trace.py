@@ -169,3 +169,35 @@ def test_llama_7b_fake_trace_fits_this_machine():
     assert float(seconds) < 120 and int(rss) < 4e9
     assert int(ops) > 5000
     assert int(saved) > 100 * 2**30  # ~190 GiB of bf16 activations: far beyond this machine
+
+
+def test_a_saved_tensor_is_released_where_the_step_lets_it_go():
+    # Note [Released by the step] (membudget.tracer): the manager may evict a
+    # saved tensor only once the step no longer holds it, which can be long
+    # after its last forward use (a local kept alive) or never in forward.
+    def setup():
+        torch.manual_seed(0)
+        return torch.randn(32, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+
+    def step(weights):
+        w1, w2 = weights
+        x = torch.randn(32, 32)
+        y = (x @ w1).relu()
+        z = (y @ w2).tanh()
+        del y  # held past its last forward use (the second mm)
+        z.sum().backward()
+
+    trace = membudget.trace(step, setup=setup)
+    forward = [op for op in trace.ops if op.phase == "forward"]
+    names = [op.name for op in forward]
+    relu = forward[names.index("aten.relu.default")]
+    y = relu.outputs[0]
+    second_mm = max(c for c in trace.tensors[y].consumers if trace.ops[c].phase == "forward")
+    summed = next(op.index for op in forward if op.name.startswith("aten.sum"))
+    assert trace.tensors[y].saved
+    assert second_mm < summed - 1
+    # Let go by `del y` after tanh, before the sum: not after its last use.
+    assert trace.tensors[y].released_before == summed, (trace.tensors[y].released_before, second_mm, summed)
+    assert trace.tensors[y].released_after_packs == sum(1 for k in trace.pack_ops if k <= summed)
+    x = forward[names.index("aten.randn.default")].outputs[0]
+    assert trace.tensors[x].saved and trace.tensors[x].released_before == -1  # the local x outlives forward

@@ -263,23 +263,40 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
     unpack_code = Code.UNPACK if strategy == "manager" else Code.RESTORE
     unpack_sequence = [tid for tid in trace.unpack_order if tid in points]
     position = 0
+    # What autograd does as op i-1 returns, before op i: packs, in autograd's
+    # order (Note [Pack order]), and the step letting go of saved tensors
+    # between them (Note [Released by the step] in membudget.tracer), each
+    # keyed by its place among the packs.
+    returning: List[List[tuple]] = [[] for _ in range(n + 1)]
+    first_pack = {}
+    for k, tid in enumerate(trace.pack_order):
+        first_pack.setdefault(tid, k)
     for tid, p in points.items():
-        if strategy in pack_code:
-            at = min(p["pack"], n)
-            before[at].append((pack_code[strategy], tid))
-            if p["forward_release"] < p["pack"]:
-                # Note [Released when packed]: saved by its producer's
-                # backward node and used by no later forward op (an LSTM
-                # layer's workspace, max-pool indices): only autograd holds it
-                # from its pack on. Emitted after op `forward_release`, the
-                # release came before the pack, found no entry, and the entry
-                # the pack made stayed referenced through forward: 60 of the
-                # CPU LSTM's 80 MiB of saved tensors could not be evicted
-                # (infeasible at 80% of its peak in the simulator, feasible at
-                # 70% in real runs), and ResNet-50's 98 MiB of indices.
-                before[at].append((Code.RELEASE, tid))
-            else:
-                after[p["forward_release"]].append((Code.RELEASE, tid))
+        if strategy not in pack_code:
+            continue
+        at = min(p["pack"], n)
+        key = first_pack.get(tid, len(trace.pack_order))
+        returning[at].append((key, pack_code[strategy], tid))
+        t = trace.tensors[tid]
+        if t.released_before is not None and t.released_before < 0:
+            continue  # held through forward: referenced until backward uses it
+        if t.released_before is not None and t.released_after_packs is not None:
+            slot = min(max(t.released_before, at), n)
+            release_key = t.released_after_packs - 0.5 if slot > at else max(t.released_after_packs - 0.5, key + 0.5)
+            returning[slot].append((release_key, Code.RELEASE, tid))
+        elif p["forward_release"] < p["pack"]:
+            # Note [Released when packed]: saved by its producer's
+            # backward node and used by no later forward op (an LSTM
+            # layer's workspace, max-pool indices): only autograd holds it
+            # from its pack on. Emitted after op `forward_release`, the
+            # release came before the pack, found no entry, and the entry
+            # the pack made stayed referenced through forward: 60 of the
+            # CPU LSTM's 80 MiB of saved tensors could not be evicted
+            # (infeasible at 80% of its peak in the simulator, feasible at
+            # 70% in real runs), and ResNet-50's 98 MiB of indices.
+            returning[at].append((key + 0.5, Code.RELEASE, tid))
+        else:
+            after[p["forward_release"]].append((Code.RELEASE, tid))
     if strategy in ("manager", "swap-all", "offload-prefetch"):
         for u, tid in zip(trace.unpack_ops, trace.unpack_order):
             if tid not in points:
@@ -300,6 +317,8 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
         for block, at in recompute_at.items():
             if at == i:
                 _emit_block_recompute(trace, prog, durations, block, dropped, at, scratch)
+        for _, code, tid in sorted(returning[i]):
+            prog.emit(code, tid)
         for code, tid in before[i]:
             prog.emit(code, tid)
         for tid in trace.ops[i].outputs:
@@ -321,6 +340,8 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
                 prog.emit(Code.FREE, t_id)
     # A tensor the last op makes and autograd saves with no pack recorded
     # (a step that ends in forward) is packed after that op.
+    for _, code, tid in sorted(returning[n]):
+        prog.emit(code, tid)
     for code, tid in before[n]:
         prog.emit(code, tid)
     for t in trace.tensors:  # what the step keeps (gradients) is rebuilt next step

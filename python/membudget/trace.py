@@ -34,7 +34,11 @@ class TraceTensor:
     it existed before the step, e.g. a parameter or the batch), ``consumers``
     the op indices that read it, ``saved`` whether autograd saved it for
     backward, ``dies_after`` the index of the op after which it was freed
-    (``None``: alive at the end of the step)."""
+    (``None``: alive at the end of the step). For a saved tensor,
+    ``released_before``/``released_after_packs``: where in forward the step
+    stopped holding it, leaving it to autograd (before that op, after that
+    many packs; ``-1``: held through forward; ``None``: not recorded), Note
+    [Released by the step] in :mod:`membudget.tracer`."""
 
     id: int
     bytes: int
@@ -45,6 +49,8 @@ class TraceTensor:
     saved: bool = False
     dies_after: Optional[int] = None
     kind: str = "other"
+    released_before: Optional[int] = None
+    released_after_packs: Optional[int] = None
 
 
 @dataclass
@@ -73,7 +79,9 @@ class TraceOp:
     workspace_bytes: int = 0
 
 
-_TENSOR_COLUMNS = ("bytes", "shape", "dtype", "producer", "saved", "dies_after", "kind")
+_TENSOR_COLUMNS = ("bytes", "shape", "dtype", "producer", "saved", "dies_after", "kind", "released_before",
+                   "released_after_packs")
+_TENSOR_DEFAULTS = {"released_before": None, "released_after_packs": None}
 _OP_COLUMNS = ("name", "phase", "category", "flops", "bytes_read", "bytes_written", "duration_s",
                "inputs", "outputs", "dtype", "block", "workspace_bytes")
 # Columns added to version 1 after it was first written: optional on load
@@ -165,7 +173,7 @@ class Trace:
             raise ValueError(f"trace format version {data.get('version')} is not supported "
                              f"(this membudget reads version {FORMAT_VERSION})")
         tc, oc = data["tensors"], data["ops"]
-        tensors = [TraceTensor(id=i, **{c: tc[c][i] for c in _TENSOR_COLUMNS})
+        tensors = [TraceTensor(id=i, **{c: tc[c][i] if c in tc else _TENSOR_DEFAULTS[c] for c in _TENSOR_COLUMNS})
                    for i in range(len(tc["bytes"]))]
         for t in tensors:
             t.shape = tuple(t.shape)
