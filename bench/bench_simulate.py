@@ -191,9 +191,10 @@ def window_trace(paths):
     return first
 
 
-def predict(measured: dict, device) -> dict:
+def predict(measured: dict, device, host_time: bool = False) -> dict:
     """Simulate each measured model's traced step at the measured budgets on
-    ``device`` (a DeviceModel): rows by model and fraction."""
+    ``device`` (a DeviceModel): rows by model and fraction. ``host_time``:
+    ``simulate``'s (Note [Host time between ops])."""
     rows = {}
     for name, model in measured["models"].items():
         if model.get("traces"):
@@ -203,7 +204,8 @@ def predict(measured: dict, device) -> dict:
         fractions = [float(f) for f in model["runs"]]
         budgets = [model["peak"], *(int(f * model["peak"]) for f in fractions)]
         sim = simulate(trace, budgets, ["delta"], device, baselines=(),
-                       min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=measured["actions"])
+                       min_tensor_bytes=harness.DEFAULT_MIN_TENSOR_BYTES, actions=measured["actions"],
+                       host_time=host_time)
         rows[name] = {f: r for f, r in zip(["1.0", *model["runs"]], sim)}
     return rows
 
@@ -278,7 +280,9 @@ def ablate(measured: dict) -> None:
     before this branch (torch copy rate, a GPU's pages), the host backend's
     copy rate alone, then with the duplex and compute shares, then with the
     hand-off latency, then with the rate by copy size (the full window model,
-    Note [Rate by copy size])."""
+    Note [Rate by copy size]); last, the model plus the traces' host time
+    between ops (Note [Host time between ops]; zero in traces made before it
+    was recorded)."""
     import dataclasses
     import statistics
 
@@ -293,6 +297,7 @@ def ablate(measured: dict) -> None:
         "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0, link_rate_by_size=()),
         "+ hand-off latency": dataclasses.replace(final, link_rate_by_size=()),
         "+ rate by copy size (the model)": final,
+        "+ host time between ops (traced)": (final, True),
     }
     warmup = measured["warmup"]
     points = {(name, f): _median([x for r in runs if "error" not in r for x in _stall_and_recompute(r, warmup)])
@@ -301,7 +306,8 @@ def ablate(measured: dict) -> None:
     print("|---|" + "---|" * len(points))
     print("| measured stall+recompute (median) | " + " | ".join(f"{v * 1e3:.1f} ms" for v in points.values()) + " |")
     for label, device in variants.items():
-        rows = predict(measured, device)
+        device, host_time = device if isinstance(device, tuple) else (device, False)
+        rows = predict(measured, device, host_time)
         cells = []
         for (n, f), m in points.items():
             p = rows[n][f].stall_s + rows[n][f].recompute_s

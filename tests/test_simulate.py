@@ -251,6 +251,43 @@ def test_a_saved_tensor_is_released_where_the_step_let_it_go():
     assert (Code.RELEASE, 2) not in events[:first_unpack], events
 
 
+def test_host_time_runs_after_the_packs_and_before_the_unpacks():
+    # Note [Host time between ops] (membudget.tracer): on the measured
+    # durations, an op's host time goes on the compute stream after the
+    # packs of what the previous op saved (a background copy-out runs
+    # beside it) and before the op's unpacks; simulate() spends it only
+    # when asked.
+    from membudget.replay_program import compile_program, host_seconds
+    from membudget.trace import Trace, TraceOp, TraceTensor
+
+    def op(index, phase, inputs, outputs, host_s=0.0):
+        return TraceOp(index=index, name="aten.mul.Tensor", phase=phase, category="elementwise", flops=0,
+                       bytes_read=MiB, bytes_written=MiB, duration_s=1e-3, inputs=inputs, outputs=outputs,
+                       host_s=host_s)
+
+    ops = [op(0, "forward", [], [0]), op(1, "forward", [0], [1], host_s=0.5), op(2, "backward", [0, 1], [2], 0.25)]
+    tensors = [TraceTensor(id=0, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=0, saved=True, dies_after=2,
+                           kind="activation"),
+               TraceTensor(id=1, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=1, dies_after=2,
+                           kind="activation"),
+               TraceTensor(id=2, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=2, dies_after=2,
+                           kind="other")]
+    for t in tensors:
+        t.consumers = [o.index for o in ops if t.id in o.inputs]
+    trace = Trace(ops=ops, tensors=tensors, pack_order=[0], pack_ops=[1], unpack_order=[0], unpack_ops=[2])
+    host = host_seconds(trace, costs.device_model("h200"), measured=True)
+    assert host == [0.0, 0.5, 0.25]
+    assert host_seconds(trace, costs.device_model("h200")) == [0.0, 0.0, 0.0]  # roofline durations: no host time
+    prog = compile_program(trace, [1e-3] * 3, "manager", min_tensor_bytes=1, host=host)
+    events = [(code, tid, sec) for code, tid, sec in zip(prog.codes, prog.tensors, prog.seconds)
+              if code in (Code.PACK, Code.UNPACK, Code.COMPUTE)]
+    assert events == [(Code.COMPUTE, -1, 1e-3), (Code.PACK, 0, 0.0), (Code.COMPUTE, -1, 0.5), (Code.COMPUTE, -1, 1e-3),
+                      (Code.COMPUTE, -1, 0.25), (Code.UNPACK, 0, 0.0), (Code.COMPUTE, -1, 1e-3)], events
+    rows = {flag: membudget.simulate(trace, [1 << 30], ["delta"], "h200", baselines=(), min_tensor_bytes=1,
+                                     measured=True, host_time=flag)[0] for flag in (False, True)}
+    assert rows[True].compute_s == pytest.approx(rows[False].compute_s + 0.75)  # the measured iteration's
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}

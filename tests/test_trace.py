@@ -201,3 +201,22 @@ def test_a_saved_tensor_is_released_where_the_step_lets_it_go():
     assert trace.tensors[y].released_after_packs == sum(1 for k in trace.pack_ops if k <= summed)
     x = forward[names.index("aten.randn.default")].outputs[0]
     assert trace.tensors[x].saved and trace.tensors[x].released_before == -1  # the local x outlives forward
+
+
+def test_host_time_between_ops_is_recorded():
+    # Note [Host time between ops] (membudget.tracer): Python between two
+    # ops is recorded as the later op's host_s (at least the sleep: a lower
+    # bound only), and none on fake tensors.
+    import time
+
+    def step(model):
+        y = model(torch.randn(2, 8))
+        time.sleep(0.02)
+        y.sum().backward()
+
+    trace = membudget.trace(step, setup=_tiny_setup)
+    after_sleep = next(op for op in trace.ops if op.name.startswith("aten.sum"))
+    assert after_sleep.host_s >= 0.02
+    assert all(op.host_s >= 0.0 for op in trace.ops)
+    fake = membudget.trace(step, fake=True, setup=_tiny_setup)
+    assert all(op.host_s == 0.0 for op in fake.ops)

@@ -27,7 +27,7 @@ import torch
 from . import costs
 from .trace import Trace
 
-__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "managed_tensors", "release_points", "replay_closures",
+__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "host_seconds", "managed_tensors", "release_points", "replay_closures",
            "replay_costs", "compile_program"]
 
 # Replays deeper than this many unmanaged producers are not offered (as the
@@ -80,6 +80,17 @@ def op_durations(trace: Trace, device: costs.DeviceModel, measured: Optional[boo
         out.append(costs.roofline_seconds(op.flops, op.bytes_read + op.bytes_written, device,
                                           dtype if isinstance(dtype, torch.dtype) else None, op.category))
     return out
+
+
+def host_seconds(trace: Trace, device: costs.DeviceModel, measured: Optional[bool] = None) -> List[float]:
+    """Host seconds before each op (``TraceOp.host_s``, Note [Host time
+    between ops] in :mod:`membudget.tracer`) when the measured durations are
+    used (``measured`` as in :func:`op_durations`), else zeros: on a device
+    whose ops are modelled, the host launches ahead and its time hides
+    behind the device's."""
+    if measured is None:
+        measured = device.name == "cpu-host" and all(op.duration_s is not None for op in trace.ops)
+    return [float(op.host_s) if measured else 0.0 for op in trace.ops]
 
 
 def managed_tensors(trace: Trace, min_tensor_bytes: int) -> List[int]:
@@ -219,11 +230,12 @@ def _checkpoint_plan(trace: Trace, managed: Sequence[int]):
 
 
 def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min_tensor_bytes: int,
-                    window: int = 2, recompute: bool = True) -> Program:
+                    window: int = 2, recompute: bool = True, host: Optional[Sequence[float]] = None) -> Program:
     """The replay program of ``trace`` under ``strategy`` (one of
     :data:`STRATEGIES`, module doc). ``window``: tensors prefetched ahead by
     ``offload-prefetch``; ``recompute``: declare managed tensors recomputable
-    to the manager (:func:`replay_costs`)."""
+    to the manager (:func:`replay_costs`); ``host``: host seconds before each
+    op (:func:`host_seconds`; default none)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: known are {', '.join(STRATEGIES)}")
     n = len(trace.ops)
@@ -317,8 +329,14 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
         for block, at in recompute_at.items():
             if at == i:
                 _emit_block_recompute(trace, prog, durations, block, dropped, at, scratch)
+        # Note [Host time between ops] (membudget.tracer): autograd packs
+        # what an op saved as soon as the op returns, and backward unpacks
+        # just before the op that reads it, so the host time before op i
+        # runs after its packs and before its unpacks.
         for _, code, tid in sorted(returning[i]):
             prog.emit(code, tid)
+        if host is not None and host[i] > 0.0:
+            prog.emit(Code.COMPUTE, -1, float(host[i]))
         for code, tid in before[i]:
             prog.emit(code, tid)
         for tid in trace.ops[i].outputs:

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from . import costs
 from .config import Percent, parse_bytes
-from .replay_program import compile_program, op_durations
+from .replay_program import compile_program, host_seconds, op_durations
 from .trace import Trace
 
 __all__ = ["SimRow", "BASELINES", "simulate", "policies", "resolve_budgets", "unbudgeted_peak"]
@@ -87,11 +87,12 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
             device: costs.DeviceModel, min_tensor_bytes: int, prefetch_bytes: int, high_watermark: float,
             window: int, actions: str = "swap", expandable_segments: bool = True,
             recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
-            record_timeline: bool = False, iterations: int = 2) -> Dict[str, object]:
+            record_timeline: bool = False, iterations: int = 2,
+            host: Optional[Sequence[float]] = None) -> Dict[str, object]:
     from ._native import load_extension
 
     program = compile_program(trace, durations, strategy, min_tensor_bytes, window=window,
-                              recompute=actions != "swap")
+                              recompute=actions != "swap", host=host)
     return load_extension().sim.replay(
         program.tensor_bytes, program.codes, program.tensors, program.seconds, program.prologue_length,
         budget, capacity, device.link_bytes_per_s, strategy == "manager",
@@ -141,6 +142,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
              actions: str = "both", expandable_segments: bool = True,
              recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
              offload_window: int = 2, iterations: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
+             host_time: bool = False,
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
     """Simulate ``trace`` at each budget (bytes, ``"12GiB"`` or ``"60%"`` of
@@ -165,6 +167,9 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     op durations over the roofline (default: when the trace has them and the
     device is ``cpu-host``). ``device_capacity`` overrides the device's memory
     (default: the model's; a budget above it is infeasible, as on the device).
+    ``host_time`` spends each op's traced host time before it (``TraceOp.host_s``,
+    Note [Host time between ops]) on the compute stream when the measured
+    durations are used; off by default (docs/simulator.md says why).
     ``progress(done, total, label)`` is called after each replay. Returns one
     :class:`SimRow` per (policy or baseline, budget), budgets in the given
     order."""
@@ -172,11 +177,13 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
         raise ValueError(f"iterations must be at least 2 (the manager predicts from the previous one), got {iterations}")
     model = costs.device_model(device) if isinstance(device, str) else device
     durations = op_durations(trace, model, measured)
+    # Note [Host time between ops]: off by default (docs/simulator.md).
+    host = host_seconds(trace, model, measured) if host_time else [0.0] * len(trace.ops)
     reference = unbudgeted_peak(trace, model) if any(isinstance(b, str) for b in budgets) else 0
     budget_bytes = resolve_budgets(budgets, reference)
     names = list(policies) if policies is not None else globals()["policies"]()
     capacity = device_capacity if device_capacity is not None else model.memory_bytes
-    compute_total = sum(durations)
+    compute_total = sum(durations) + sum(host)
     floors: Dict[int, Optional[float]] = {}
     jobs = [(name, b) for b in budget_bytes for name in [*names, *baselines]]
     total = len(jobs) + (len(budget_bytes) if floor else 0)
@@ -197,7 +204,8 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
         strategy = "manager" if name not in BASELINES else name
         r = _replay(trace, durations, strategy, name, b, capacity, model, min_tensor_bytes, prefetch_bytes,
                     high_watermark, offload_window, actions, expandable_segments,
-                    recompute_ahead and strategy == "manager", side_stream_overlap, iterations=iterations)
+                    recompute_ahead and strategy == "manager", side_stream_overlap, iterations=iterations,
+                    host=host)
         step = float(r["total_s"])
         base = floors.get(b) or compute_total
         rows.append(SimRow(

@@ -62,7 +62,10 @@ class TraceOp:
     ``workspace_bytes``: memory the op allocated and freed inside itself
     (a convolution's scratch buffers), measured when the trace ran on real
     tensors with an allocator that counts (Note [Op workspace] in
-    :mod:`membudget.tracer`), else 0."""
+    :mod:`membudget.tracer`), else 0. ``host_s``: host time spent outside
+    any op just before this one (Python, the autograd engine, hooks; Note
+    [Host time between ops] in :mod:`membudget.tracer`), measured on real
+    tensors, else 0."""
 
     index: int
     name: str
@@ -77,16 +80,17 @@ class TraceOp:
     dtype: str = "float32"
     block: Optional[int] = None
     workspace_bytes: int = 0
+    host_s: float = 0.0
 
 
 _TENSOR_COLUMNS = ("bytes", "shape", "dtype", "producer", "saved", "dies_after", "kind", "released_before",
                    "released_after_packs")
 _TENSOR_DEFAULTS = {"released_before": None, "released_after_packs": None}
 _OP_COLUMNS = ("name", "phase", "category", "flops", "bytes_read", "bytes_written", "duration_s",
-               "inputs", "outputs", "dtype", "block", "workspace_bytes")
+               "inputs", "outputs", "dtype", "block", "workspace_bytes", "host_s")
 # Columns added to version 1 after it was first written: optional on load
 # (older files lack them), and ignored by older readers, so no version bump.
-_OP_DEFAULTS = {"workspace_bytes": 0}
+_OP_DEFAULTS = {"workspace_bytes": 0, "host_s": 0.0}
 
 
 @dataclass

@@ -46,6 +46,24 @@ the CPU validation's CNN at 60% copied the batch and a block input out in
 the background in forward, which the real run could not (both were still
 held), and the real run then evicted that block input synchronously in
 backward (0.2 ms per step against none simulated).
+
+Note [Host time between ops]: between two aten ops the step runs on the host
+outside any op: the model's Python, the autograd engine (its start at
+``backward()`` above all), saved-tensor hooks, the optimizer's loop. An op's
+``host_s`` is that time before it: from the end of the previous op's dispatch
+to the start of its own, less what the recorder itself spent in its pack,
+unpack and module hooks, less the smallest such gap of the step (the cost of
+the recorder's dispatch into Python, which every op pays under the recorder
+and no unrecorded run does). On the CPU, copies run beside it: the CPU
+validation's GPT-2 at 80% issues an 8 MiB background copy-out at forward's
+last pack, and the real run finished it in the 1.2 ms before backward's first
+allocation needed its memory, while the simulation, with only the ops' 0.08
+ms in between, waited for the whole copy. Measured on real tensors only
+(``0`` on fake ones); ``simulate(..., host_time=True)`` spends it on the
+compute stream when it uses the measured durations (``cpu-host``), see
+:func:`membudget.replay_program.host_seconds`. Off by default: the
+recorder's dispatch into Python inflates every gap, and membudget's own host
+time in a managed run (most of that 1.2 ms) is not in it (docs/simulator.md).
 """
 from __future__ import annotations
 
@@ -127,6 +145,10 @@ class _Recorder(TorchDispatchMode):
         self.module_stack: List[int] = []
         self.op_scopes: List[Tuple[int, ...]] = []  # module ids on the stack, per op
         self.module_class: Dict[int, str] = {}
+        # Note [Host time between ops]
+        self.last_exit: Optional[float] = None
+        self.hook_s = 0.0
+        self.raw_host_s: List[float] = []
         # Note [Released by the step]: saved storages the step may still
         # hold, with the number of aliases the recorder's packs keep of each.
         self.held: Dict[int, Tuple[StorageWeakRef, int]] = {}  # tensor id -> (weak ref, aliases)
@@ -191,9 +213,11 @@ class _Recorder(TorchDispatchMode):
 
     # ---- the dispatch hook -----------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entered = time.perf_counter()
         kwargs = kwargs or {}
         if self.paused or func.namespace == "prim":
             return func(*args, **kwargs)
+        host = entered - self.last_exit - self.hook_s if self.last_exit is not None else 0.0
         index = len(self.ops)
         self.reap(index - 1)
         phase = self.ops_phase()
@@ -235,12 +259,16 @@ class _Recorder(TorchDispatchMode):
         for tid in inputs:
             self.tensors[tid].consumers.append(index)
         self.op_scopes.append(tuple(self.module_stack) if phase == "forward" else ())
+        self.raw_host_s.append(max(host, 0.0))
+        self.hook_s = 0.0
+        self.last_exit = time.perf_counter()
         return out
 
     # ---- saved tensor hooks ----------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         """Marks ``t``'s storage saved; keeps a detached alias (module doc)."""
         self.paused = True
+        entered = time.perf_counter()
         try:
             forward = self.ops_phase() == "forward"
             if forward:
@@ -257,25 +285,42 @@ class _Recorder(TorchDispatchMode):
             return (tid, alias)
         finally:
             self.paused = False
+            self.hook_s += time.perf_counter() - entered
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Records the unpack (tensor id, next op index) and returns the alias."""
+        entered = time.perf_counter()
         tid, alias = packed
         if tid is not None:
             self.unpack_order.append(tid)
             self.unpack_ops.append(len(self.ops))
+        self.hook_s += time.perf_counter() - entered
         return alias
+
+    def assign_host_time(self) -> None:
+        """Sets each op's ``host_s`` (Note [Host time between ops]): the
+        time since the previous op ended, less the recorder's own hooks and
+        less the least any op waited (what the recorder's dispatch into
+        Python costs every op, which the unrecorded run does not pay)."""
+        gaps = self.raw_host_s[1:]
+        floor = min(gaps) if gaps else 0.0
+        for op, raw in zip(self.ops[1:], gaps):
+            op.host_s = max(raw - floor, 0.0)
 
     # ---- module scopes (for top-level blocks) ----------------------------
     def enter_module(self, module: torch.nn.Module, *_: Any) -> None:
         """Forward pre-hook: push the module (for the block of each op)."""
+        entered = time.perf_counter()
         self.module_class.setdefault(id(module), type(module).__name__)
         self.module_stack.append(id(module))
+        self.hook_s += time.perf_counter() - entered
 
     def exit_module(self, module: torch.nn.Module, *_: Any) -> None:
         """Forward hook: pop the module."""
+        entered = time.perf_counter()
         if self.module_stack and self.module_stack[-1] == id(module):
             self.module_stack.pop()
+        self.hook_s += time.perf_counter() - entered
 
     def assign_blocks(self) -> None:
         """Marks forward ops with their top-level block: the instances of the
@@ -359,6 +404,8 @@ def trace(step_fn: Callable[..., Any], fake: bool = False, *, setup: Optional[Ca
             t.kind = "gradient"  # produced in backward and kept: a .grad
     recorder.live.clear()
     recorder.assign_blocks()
+    if not fake:
+        recorder.assign_host_time()
     meta = {"torch": torch.__version__, "fake": bool(fake),
             "phases": dict(Counter(op.phase for op in recorder.ops))}
     meta.update(metadata or {})
