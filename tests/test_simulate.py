@@ -832,3 +832,48 @@ def test_background_copies_stop_after_the_last_request_to_come():
     assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000
     assert r["eviction_count"] == 2, r
     assert r["swap_out_bytes"] == 3 * small, r  # the two evicted and one copy (the third 25 MB tensor)
+
+
+@pytest.mark.parametrize("compute_copy_share, total", [(1.0, 0.1), (0.5, 0.15), (0.25, 0.175)])
+def test_compute_beside_a_copy_runs_at_the_compute_copy_share(compute_copy_share, total):
+    # Note [Compute beside a copy]. 100 MB out at 1 GB/s (0.1 s, the copy's
+    # rate untouched by compute here) beside 0.1 s of compute: at share s the
+    # compute does 0.1 * s of its work while the copy runs, the rest at full
+    # rate once it is done. The copy ends before compute, so nothing stalls.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, compute_copy_share=compute_copy_share)
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-12)
+    assert r["total_s"] == pytest.approx(total)
+    assert r["compute_s"] == pytest.approx(0.1)  # the work, not the time it took
+    (copy,) = r["timeline"]["copies"]
+    assert copy[5] == pytest.approx(0.1)
+
+
+def test_compute_and_copy_slow_each_other():
+    # Both ways at half rate: over 0.2 s the copy moves 100 MB at 0.5 GB/s
+    # and the compute does its 0.1 s of work at half speed; without a copy
+    # the same compute takes 0.1 s.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_compute_share=0.5, compute_copy_share=0.5)
+    assert r["total_s"] == pytest.approx(0.2) and r["stall_s"] == pytest.approx(0.0, abs=1e-9)
+    alone = Program(tensor_bytes=[100_000_000])
+    alone.emit(Code.ALLOC, 0)
+    alone.emit(Code.COMPUTE, -1, 0.1)
+    alone.emit(Code.FREE, 0)
+    assert _replay(alone, budget=1 << 30, compute_copy_share=0.5)["total_s"] == pytest.approx(0.1)
+
+
+def test_the_calibrated_host_model_measures_compute_beside_a_copy():
+    # Note [Compute beside a copy]: measured on the host, 1.0 on the GPUs.
+    cpu = costs.device_model("cpu-host")
+    assert 0.05 <= cpu.compute_copy_share <= 1.0
+    assert "beside a copy" in cpu.note
+    assert costs.device_model("h200").compute_copy_share == 1.0
