@@ -680,7 +680,9 @@ size_t ResidencyManager::request_to_cover() const {
   // the 8th pack, and the background copies issued after it to cover another
   // such request (36 MiB per step under delta, 6-36 MiB under dtr, whose
   // copies were cut short by kMaxBackgroundCopies) were never used; on the
-  // host backend a copy nobody needs takes memory bandwidth from compute.
+  // host backend a copy nobody needs takes memory bandwidth from compute
+  // (Note [Compute beside a copy] in sim_link.h). What lies above the
+  // watermark is still covered (6 MiB of those 36).
   // A step repeats from one iteration to the next, so the previous one says
   // which requests are still to come from this pack on (backward's counted
   // at the end of forward: copies issued late in forward serve them). The
@@ -708,7 +710,8 @@ void ResidencyManager::maybe_start_background_swaps() {
   // without a copy must cover such a request too: the largest forward has
   // asked for, this iteration or the previous one. With the excess alone,
   // the CPU model's GPT-2 at 70% copied 1.6 ms per step synchronously in
-  // forward (16 MiB requests against a few MiB above the watermark).
+  // forward (16 MiB requests against a few MiB above the watermark). Only
+  // requests still to come count (Note [Requests to come]).
   const size_t excess = std::max(allocated - threshold, request_to_cover());
   size_t releasable = 0;  // device bytes that eviction could release without copying
   for (ResidencyEntry* entry : entries_) {
