@@ -46,6 +46,7 @@ def main() -> int:
     print(f"{args.model}: unmanaged peak {peak / MiB:.1f} MiB, budget {budget} bytes")
     env = dict(os.environ, MEMBUDGET_LOG="decisions",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")])))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     for policy in ("delta", "dtr"):
         spec = harness.RunSpec(mode="managed", budget=budget, policy=policy, actions="both", **base)
         proc = subprocess.run([*WORKER, "--worker", spec.to_json()], env=env, capture_output=True, text=True)
