@@ -16,8 +16,9 @@ misses, and predicted stall + recompute against the measured per steady step
 copy waits outside replays (Note [Copy timeline]) plus replay wall time, which
 is what the simulator's stall_s + recompute_s count on modelled time.
 ``--save``/``--load`` keep the runs' results (and traces beside them) to
-predict again; ``--variants`` prints stall + recompute under the link model
-part by part.
+predict again; ``--variants`` prints stall + recompute under the model part
+by part (the link's parts, then the host time at backward's start, then
+every traced host gap).
 
 ``table``: each model of membudget.sim_models traced on fake tensors and
 simulated on ``h200`` at each budget (percent of its unbudgeted peak) under
@@ -385,7 +386,7 @@ def main() -> int:
     v.add_argument("--load", help="predict against results saved by --save instead of running")
     v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
     v.add_argument("--variants", action="store_true",
-                   help="with --load: stall+recompute under the link model part by part")
+                   help="with --load: stall+recompute under the model part by part")
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
     t.add_argument("--budgets", default="80%,60%,40%")
