@@ -109,7 +109,8 @@ def measure(names, size: str, fractions, steps: int, warmup: int, repeats: int, 
     def calibrate():
         model = dataclasses.asdict(costs.calibrate_cpu_host())
         out["calibrations"].append({key: model[key] for key in ("flops_per_s", "memory_bytes_per_s", "launch_s",
-                                                                 "link_rate_by_size", *_LINK_FIELDS)})
+                                                                 "link_rate_by_size", "compute_copy_share",
+                                                                 *_LINK_FIELDS)})
 
     def trace(name: str, index: int) -> str:
         path = trace_dir / f"{name}-{index}.trace"
@@ -160,6 +161,11 @@ def window_device(measured: dict):
     if all(len(s) == len(sized[0]) and s for s in sized):
         fields["link_rate_by_size"] = tuple((size, statistics.median(s[i][1] for s in sized))
                                             for i, (size, _) in enumerate(sized[0]))
+    # Note [Compute beside a copy]: saved runs older than the field had none;
+    # they keep the share of the calibration made now (base), as before.
+    shares = [c["compute_copy_share"] for c in calibrations if "compute_copy_share" in c]
+    if len(shares) == len(calibrations):
+        fields["compute_copy_share"] = statistics.median(shares)
     fields["flops_per_s"] = {k: statistics.median(c["flops_per_s"][k] for c in calibrations)
                              for k in calibrations[0]["flops_per_s"]}
     spread = {key: (min(c[key] for c in calibrations), max(c[key] for c in calibrations)) for key in _LINK_FIELDS}

@@ -45,6 +45,10 @@ def cached_device(cache: Path) -> costs.DeviceModel:
     path = cache / "cpu-host.json"
     if not path.exists():
         print("calibrating cpu-host (once; kept in", path, ")", flush=True)
+        # At the runs' thread count: with two torch threads on two cores the
+        # copy thread takes a core from compute (Note [Compute beside a
+        # copy]: x0.44 against x0.90 at one thread, the runs' count).
+        torch.set_num_threads(1)
         path.write_text(json.dumps(dataclasses.asdict(costs.device_model("cpu-host"))))
     fields = json.loads(path.read_text())
     fields.setdefault("copies_ahead", False)  # kept before the field existed: cpu-host never copies ahead

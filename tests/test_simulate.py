@@ -932,3 +932,77 @@ def test_a_copy_runs_at_the_rate_for_its_size():
     assert _replay(prog, budget=1 << 30, link_rate_by_size=points)["stall_s"] == pytest.approx(1000 / 2e9)
     with pytest.raises(ValueError, match="rate_by_size"):
         _replay(prog, budget=1 << 30, link_rate_by_size=[(1e6, 0.0)])
+
+
+def test_background_copies_stop_after_the_last_request_to_come():
+    # Note [Requests to come]. Forward saves three 25 MB tensors under a
+    # 100 MB budget (watermark 80 MB); a 40 MB temporary then evicts two of
+    # them on the allocation path; two 28 MB tensors saved after it take
+    # allocated to 81 MB, above the watermark, and no request comes after.
+    # Covering the 40 MB request again from there copied out two more (53 MB
+    # per step) for no eviction; the previous iteration says none is to come,
+    # so only the 1 MB above the watermark is covered: one copy (25 MB). The
+    # third iteration is measured (the first, without a prediction, is no
+    # guide).
+    from membudget._native import load_extension
+
+    small, large = 25_000_000, 28_000_000
+    prog = Program(tensor_bytes=[small] * 3 + [40_000_000] + [large] * 2)
+    for t in range(3):
+        _save(prog, t, 0.01)
+    _temporary(prog, 3, 0.01)
+    for t in (4, 5):
+        _save(prog, t, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    for t in (5, 4, 2, 1, 0):
+        _use(prog, t, 0.1)
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 100_000_000,
+                                    1 << 40, 1e9, True, "delta", 0, 0.8, 3, copies_ahead=False)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000
+    assert r["eviction_count"] == 2, r
+    assert r["swap_out_bytes"] == 3 * small, r  # the two evicted and one copy (the third 25 MB tensor)
+
+
+@pytest.mark.parametrize("compute_copy_share, total", [(1.0, 0.1), (0.5, 0.15), (0.25, 0.175)])
+def test_compute_beside_a_copy_runs_at_the_compute_copy_share(compute_copy_share, total):
+    # Note [Compute beside a copy]. 100 MB out at 1 GB/s (0.1 s, the copy's
+    # rate untouched by compute here) beside 0.1 s of compute: at share s the
+    # compute does 0.1 * s of its work while the copy runs, the rest at full
+    # rate once it is done. The copy ends before compute, so nothing stalls.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, compute_copy_share=compute_copy_share)
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-12)
+    assert r["total_s"] == pytest.approx(total)
+    assert r["compute_s"] == pytest.approx(0.1)  # the work, not the time it took
+    (copy,) = r["timeline"]["copies"]
+    assert copy[5] == pytest.approx(0.1)
+
+
+def test_compute_and_copy_slow_each_other():
+    # Both ways at half rate: over 0.2 s the copy moves 100 MB at 0.5 GB/s
+    # and the compute does its 0.1 s of work at half speed; without a copy
+    # the same compute takes 0.1 s.
+    prog = Program(tensor_bytes=[100_000_000])
+    prog.emit(Code.ALLOC, 0)
+    prog.emit(Code.OFFLOAD_ASYNC, 0)
+    prog.emit(Code.COMPUTE, -1, 0.1)
+    prog.emit(Code.FREE, 0)
+    r = _replay(prog, budget=1 << 30, link_compute_share=0.5, compute_copy_share=0.5)
+    assert r["total_s"] == pytest.approx(0.2) and r["stall_s"] == pytest.approx(0.0, abs=1e-9)
+    alone = Program(tensor_bytes=[100_000_000])
+    alone.emit(Code.ALLOC, 0)
+    alone.emit(Code.COMPUTE, -1, 0.1)
+    alone.emit(Code.FREE, 0)
+    assert _replay(alone, budget=1 << 30, compute_copy_share=0.5)["total_s"] == pytest.approx(0.1)
+
+
+def test_the_calibrated_host_model_measures_compute_beside_a_copy():
+    # Note [Compute beside a copy]: measured on the host, 1.0 on the GPUs.
+    cpu = costs.device_model("cpu-host")
+    assert 0.05 <= cpu.compute_copy_share <= 1.0
+    assert "beside a copy" in cpu.note
+    assert costs.device_model("h200").compute_copy_share == 1.0

@@ -258,6 +258,9 @@ class ResidencyManager final : public Evictor {
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
+  // The largest forward request the background copies should cover from
+  // here on (Note [Requests to come]).
+  size_t request_to_cover() const;
   // The budget, or the device's memory when that is smaller: what the
   // watermark and the prefetch window are fractions of.
   size_t effective_budget() const;
@@ -327,6 +330,13 @@ class ResidencyManager final : public Evictor {
   // previous one (Note [Background target]).
   size_t largest_forward_request_ = 0;
   size_t largest_forward_request_last_iteration_ = 0;
+  // Note [Requests to come]: the eviction requests of this iteration by the
+  // pack count at which they came (the largest at each; backward's at the
+  // end of forward), and over the previous iteration, at index s, the
+  // largest one made at pack count s or later.
+  std::vector<size_t> requests_by_pack_;
+  std::vector<size_t> requests_to_come_;
+  bool requests_to_come_known_ = false;  // the previous iteration had a prediction
   size_t evicted_this_iteration_ = 0;             // device bytes evicted (swapped or dropped)
   size_t evicted_last_iteration_ = 0;             // the same, over the previous iteration
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_

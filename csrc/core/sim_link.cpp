@@ -26,6 +26,9 @@ namespace {
 // The model with its rate points in order of size; refuses points that
 // cannot be a rate.
 LinkModel checked(LinkModel model) {
+  if (!(model.compute_copy_share > 0.0 && model.compute_copy_share <= 1.0)) {
+    throw std::invalid_argument("LinkModel: compute_copy_share must be in (0, 1]");
+  }
   std::sort(model.rate_by_size.begin(), model.rate_by_size.end());
   for (const auto& [bytes, rate] : model.rate_by_size) {
     if (!(bytes > 0.0) || !(rate > 0.0)) {
@@ -69,12 +72,16 @@ std::shared_ptr<SimCopy> SimLink::enqueue(CopyDirection direction, size_t bytes)
 }
 
 void SimLink::run_compute(double seconds) {
-  const double until = clock_->now + std::max(0.0, seconds);
   if (model_.independent()) {
-    clock_->now = until;
-  } else {
-    advance(until, /*computing=*/true, nullptr);
+    clock_->now += std::max(0.0, seconds);
+    return;
   }
+  if (model_.compute_copy_share >= 1.0) {  // compute's end is known now
+    advance(clock_->now + std::max(0.0, seconds), /*computing=*/true, nullptr);
+    return;
+  }
+  double left = std::max(0.0, seconds);
+  advance(std::numeric_limits<double>::infinity(), /*computing=*/true, nullptr, &left);
 }
 
 void SimLink::wait_for(const SimCopy& copy) {
@@ -128,10 +135,11 @@ void SimLink::finish_head(int lane) {
   }
 }
 
-void SimLink::advance(double until, bool computing, const SimCopy* stop) {
+void SimLink::advance(double until, bool computing, const SimCopy* stop, double* compute_left) {
   constexpr double kNever = std::numeric_limits<double>::infinity();
   for (;;) {
     if (stop != nullptr && stop->done_at <= clock_->now) return;
+    if (compute_left != nullptr && *compute_left <= 0.0) return;
     // A lane moves bytes once its head copy is ready (Note [Modelled link]).
     bool active[2];
     double next_ready = kNever;
@@ -145,11 +153,16 @@ void SimLink::advance(double until, bool computing, const SimCopy* stop) {
     for (int lane = 0; lane < 2; ++lane) {
       if (active[lane]) rate[lane] = lanes_[lane].front()->rate * share;
     }
-    // Rates are constant until a head copy finishes or a waiting one becomes ready.
+    // Rates are constant until a head copy finishes or a waiting one becomes
+    // ready, or the compute work runs out.
     double step = next_ready - clock_->now;
     for (int lane = 0; lane < 2; ++lane) {
       if (active[lane]) step = std::min(step, lanes_[lane].front()->remaining / rate[lane]);
     }
+    // Note [Compute beside a copy]: work done per second of the clock.
+    const double compute_rate = active[0] || active[1] ? model_.compute_copy_share : 1.0;
+    const double compute_step = compute_left != nullptr ? *compute_left / compute_rate : kNever;
+    step = std::min(step, compute_step);
     if (step == kNever) {  // nothing queued
       if (until != kNever) clock_->now = std::max(clock_->now, until);
       return;
@@ -158,12 +171,14 @@ void SimLink::advance(double until, bool computing, const SimCopy* stop) {
       for (int lane = 0; lane < 2; ++lane) {
         if (active[lane]) lanes_[lane].front()->remaining -= rate[lane] * (until - clock_->now);
       }
+      if (compute_left != nullptr) *compute_left -= compute_rate * (until - clock_->now);
       clock_->now = until;
       return;
     }
     for (int lane = 0; lane < 2; ++lane) {
       if (active[lane]) lanes_[lane].front()->remaining -= rate[lane] * step;
     }
+    if (compute_left != nullptr) *compute_left = step >= compute_step ? 0.0 : *compute_left - compute_rate * step;
     clock_->now += step;
     for (int lane = 0; lane < 2; ++lane) {
       // The head(s) that set `step` are done; rounding leaves at most a few

@@ -17,6 +17,15 @@
 // stream starts at once (the waiter runs it itself: Note [Waiter runs the
 // copy] in host_backend.cpp).
 //
+// Note [Compute beside a copy]: the contention goes both ways on the host.
+// A memcpy thread takes memory bandwidth (and, on two cores, time) from the
+// compute thread, so compute beside a running copy is slower too: an op runs
+// at `compute_copy_share` of its modelled rate while either direction is
+// moving bytes, at its full rate otherwise (calibrated by costs.py as the
+// compute rate beside a copy over the rate alone). A background copy-out
+// nobody needs is therefore not free on this device. A GPU's DMA engines
+// leave its kernels alone: the share is 1.0 there.
+//
 // Note [Rate by copy size]: memcpy on the host is faster for copies whose
 // buffers the caches still hold: HostBackend's copies of 0.25, 1, 4 and 8 MiB
 // over 8 rotating buffers, warm, ran at 22, 30, 13 and 12 GB/s on this
@@ -59,11 +68,17 @@ struct LinkModel {
   // Note [Rate by copy size]: (bytes, bytes per second) points, by bytes;
   // empty: every copy at `bytes_per_s`.
   std::vector<std::pair<double, double>> rate_by_size;
+  // Note [Compute beside a copy]: fraction of its rate compute keeps while a
+  // copy moves bytes.
+  double compute_copy_share = 1.0;
   // One copy's rate, alone with the compute stream idle.
   double rate_for(size_t bytes) const;
-  // The GPU case: each direction independent of everything else, and no
-  // hand-off (the closed form knows each copy's end when it is issued).
-  bool independent() const { return duplex_share >= 1.0 && compute_share >= 1.0 && latency_s <= 0.0; }
+  // The GPU case: each direction independent of everything else, no
+  // hand-off, compute never slowed (the closed form knows each copy's end
+  // when it is issued).
+  bool independent() const {
+    return duplex_share >= 1.0 && compute_share >= 1.0 && latency_s <= 0.0 && compute_copy_share >= 1.0;
+  }
 };
 
 // One copy on a modelled copy stream.
@@ -86,7 +101,8 @@ class SimLink {
 
   // Queues a copy behind the stream's earlier ones.
   std::shared_ptr<SimCopy> enqueue(CopyDirection direction, size_t bytes);
-  // The compute stream runs for `seconds`; copies progress beside it.
+  // The compute stream runs `seconds` of work (its modelled time alone);
+  // copies progress beside it, and slow it (Note [Compute beside a copy]).
   void run_compute(double seconds);
   // The compute stream waits until `copy` is done (counted as stall).
   void wait_for(const SimCopy& copy);
@@ -101,9 +117,10 @@ class SimLink {
   const LinkModel& model() const { return model_; }
 
  private:
-  // Moves the clock to `until` (or until `stop` is done, when given), copies
-  // progressing at the rates of Note [Modelled link].
-  void advance(double until, bool computing, const SimCopy* stop);
+  // Moves the clock to `until` (or until `stop` is done, or the compute
+  // work `*compute_left` is done, when given), copies progressing at the
+  // rates of Note [Modelled link] and compute at Note [Compute beside a copy].
+  void advance(double until, bool computing, const SimCopy* stop, double* compute_left = nullptr);
   void finish_head(int lane);
 
   std::shared_ptr<SimClock> clock_;

@@ -96,7 +96,7 @@ class Replayer {
       : program_(program), config_(config),
         backend_(config.capacity_bytes,
                  LinkModel{config.link_bytes_per_s, config.link_duplex_share, config.link_compute_share,
-                           config.link_latency_s, config.link_rate_by_size},
+                           config.link_latency_s, config.link_rate_by_size, config.compute_copy_share},
                  config.page_bytes),
         device_(backend_, MemoryKind::device, config.budget_bytes, "device", config.expandable_segments),
         host_tier_(backend_, MemoryKind::host, config.host_budget_bytes, "host tier"),

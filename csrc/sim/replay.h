@@ -70,6 +70,7 @@ struct ReplayConfig {
   size_t page_bytes = 0;               // expandable segments' granularity (0: a GPU's 2 MiB)
   double link_compute_share = 1.0;
   std::vector<std::pair<double, double>> link_rate_by_size;  // Note [Rate by copy size]
+  double compute_copy_share = 1.0;     // Note [Compute beside a copy]
   size_t host_budget_bytes = size_t{1} << 42;
   bool use_manager = true;             // false: no eviction (baselines)
   bool expandable_segments = true;     // as the runtime's default

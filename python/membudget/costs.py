@@ -28,7 +28,7 @@ import mmap
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -81,6 +81,11 @@ class DeviceModel:
     #: clamped at the ends; empty (the GPUs): every copy at ``link_bytes_per_s``.
     #: The host backend's memcpy is faster while the caches hold its buffers.
     link_rate_by_size: Tuple[Tuple[int, float], ...] = ()
+    #: Note [Compute beside a copy] (csrc/core/sim_link.h): the fraction of its
+    #: rate compute keeps while a copy runs. 1.0 for the GPUs, whose DMA engines
+    #: leave the kernels alone; on the host a memcpy thread takes memory
+    #: bandwidth (and a core of two) from the compute thread.
+    compute_copy_share: float = 1.0
     #: The granularity of expandable segments' pages: a GPU's physical
     #: allocation granularity, or the OS page on the host backend.
     page_bytes: int = 2 << 20
@@ -182,7 +187,8 @@ def calibrate_cpu_host() -> DeviceModel:
     note = (f"this machine, calibrated with {threads} torch threads (matmul, memcpy, tiny-op dispatch; "
             + (f"host backend copies {link_rate / 1e9:.1f} GB/s alone, {link['both_bytes_per_s'] / 1e9:.1f} GB/s "
                f"both directions together, x{link['compute_share']:.2f} beside compute, "
-               f"{link['latency_s'] * 1e6:.0f} us hand-off; {describe_rate_by_size(link['rate_by_size'])})"
+               f"{link['latency_s'] * 1e6:.0f} us hand-off; {describe_rate_by_size(link['rate_by_size'])}; "
+               f"compute x{link['compute_copy_share']:.2f} beside a copy)"
                if link else
                "no native build: link = torch copy rate)"))
     return DeviceModel(
@@ -193,7 +199,8 @@ def calibrate_cpu_host() -> DeviceModel:
         link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
         link_latency_s=link["latency_s"] if link else 0.0,
         link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False,
-        link_rate_by_size=link["rate_by_size"] if link else ())
+        link_rate_by_size=link["rate_by_size"] if link else (),
+        compute_copy_share=link["compute_copy_share"] if link else 1.0)
 
 
 def describe_rate_by_size(points: Iterable[Tuple[int, float]]) -> str:
@@ -210,6 +217,9 @@ _LINK_BUFFERS = 8
 #: over the same buffers, warm (a 256 KiB copy's eight buffers stay in the
 #: caches, an 8 MiB one's do not).
 _LINK_RATE_SIZES = (256 << 10, 1 << 20, _LINK_COPY_BYTES, 8 << 20)
+#: Note [Compute beside a copy]: copies of ``_LINK_COPY_BYTES`` queued while
+#: compute is timed beside them (128 MiB: several ops' worth at 10 GB/s).
+_COMPUTE_BESIDE_COPIES = 32
 
 
 def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
@@ -220,8 +230,11 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
     direction while this thread runs compute (``compute_share``: that rate over
     the rate alone); ``latency_s``, the median time a synchronous copy of
     one page takes beyond its memcpy (the hand-off to the copy thread and the
-    wake-up of the waiter); and ``rate_by_size``, one direction alone at each
-    of ``_LINK_RATE_SIZES`` (Note [Rate by copy size]). Each the median of ``trials`` rounds: other
+    wake-up of the waiter); ``rate_by_size``, one direction alone at each
+    of ``_LINK_RATE_SIZES`` (Note [Rate by copy size]); and
+    ``compute_copy_share``, the compute rate while a copy runs over the rate
+    alone (Note [Compute beside a copy]: the same ops timed one by one
+    beside a stream of copy-outs, then with the copy threads idle). Each the median of ``trials`` rounds: other
     processes on the machine take cores from the copy threads or from the
     compute thread at random, which moves single rounds either way. None
     without the native extension."""
@@ -242,6 +255,12 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
     # multiplying: a matmul and a pointwise op over a few MiB.
     a, w, x = torch.randn(1024, 256), torch.randn(256, 512), torch.randn(1024, 1024)
 
+    def compute_op() -> float:
+        start = time.perf_counter()
+        torch.mm(a, w)
+        torch.nn.functional.gelu(x)
+        return time.perf_counter() - start
+
     def rates(directions: Tuple[str, ...], computing: bool, size: int = _LINK_COPY_BYTES) -> Dict[str, float]:
         backend.set_copy_timeline(False, True)
         events = []
@@ -253,8 +272,7 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
                     events.append(backend.copy_to_device(device[(i + 1) % _LINK_BUFFERS],
                                                          host[(i + 3) % _LINK_BUFFERS], size))
         while computing and not events[-1].ready():
-            torch.mm(a, w)
-            torch.nn.functional.gelu(x)
+            compute_op()
         for event in events:
             event.wait()
         totals = backend.copy_timeline()["totals"]
@@ -279,11 +297,30 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
         busy = backend.copy_timeline()["totals"]["busy_seconds.d2h"] / len(overheads)
         return max(0.0, sorted(overheads)[len(overheads) // 2] - busy)
 
+    def compute_share_beside_copy() -> float:
+        # Note [Compute beside a copy]: the ops that ran wholly beside a
+        # stream of copy-outs (long enough for several), then as many with
+        # the copy threads idle; the ratio of their total times (a throughput:
+        # an op the copy thread preempts counts, as it does in a step).
+        events = [backend.copy_to_host(host[i % _LINK_BUFFERS], device[i % _LINK_BUFFERS], _LINK_COPY_BYTES)
+                  for i in range(_COMPUTE_BESIDE_COPIES)]
+        beside: List[float] = []
+        while not events[-1].ready():
+            seconds = compute_op()
+            if not events[-1].ready():
+                beside.append(seconds)
+        for event in events:
+            event.wait()
+        if not beside:  # the copies ended within one op: nothing to compare
+            return 1.0
+        return sum(compute_op() for _ in beside) / sum(beside)
+
     try:
         rounds = [(rates(("d2h",), False)["d2h"], sum(rates(("d2h", "h2d"), False).values()),
-                   rates(("d2h",), True)["d2h"], latency(),
+                   rates(("d2h",), True)["d2h"], compute_share_beside_copy(), latency(),
                    *(warm_rate(size) for size in _LINK_RATE_SIZES)) for _ in range(trials)]
-        alone, both, beside, hand_off, *by_size = (statistics.median(values) for values in zip(*rounds))
+        alone, both, beside, compute_beside, hand_off, *by_size = (statistics.median(values)
+                                                                   for values in zip(*rounds))
     finally:
         for address in device:
             backend.device_free(address, largest)
@@ -291,6 +328,7 @@ def _calibrate_host_link(trials: int = 5) -> Optional[Dict[str, float]]:
             backend.host_free(address, largest)
     return {"bytes_per_s": alone, "both_bytes_per_s": both, "duplex_share": min(1.0, both / (2 * alone)),
             "compute_share": max(0.05, min(1.0, beside / alone)), "latency_s": hand_off,
+            "compute_copy_share": max(0.05, min(1.0, compute_beside)),
             "rate_by_size": tuple(zip(_LINK_RATE_SIZES, by_size))}
 
 

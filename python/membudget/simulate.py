@@ -102,7 +102,8 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap, record_timeline=record_timeline,
         link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
         link_latency_s=device.link_latency_s, page_bytes=device.page_bytes, copies_ahead=device.copies_ahead,
-        link_rate_by_size=[(float(size), float(rate)) for size, rate in device.link_rate_by_size])
+        link_rate_by_size=[(float(size), float(rate)) for size, rate in device.link_rate_by_size],
+        compute_copy_share=device.compute_copy_share)
 
 
 def _log_decisions() -> bool:
