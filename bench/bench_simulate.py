@@ -16,8 +16,9 @@ misses, and predicted stall + recompute against the measured per steady step
 copy waits outside replays (Note [Copy timeline]) plus replay wall time, which
 is what the simulator's stall_s + recompute_s count on modelled time.
 ``--save``/``--load`` keep the runs' results (and traces beside them) to
-predict again; ``--variants`` prints stall + recompute under the link model
-part by part.
+predict again; ``--variants`` prints stall + recompute under the model part
+by part (the link's parts, then the host time at backward's start, then
+every traced host gap).
 
 ``table``: each model of membudget.sim_models traced on fake tensors and
 simulated on ``h200`` at each budget (percent of its unbudgeted peak) under
@@ -197,10 +198,10 @@ def window_trace(paths):
     return first
 
 
-def predict(measured: dict, device, host_time: bool = False) -> dict:
+def predict(measured: dict, device, host_time="backward") -> dict:
     """Simulate each measured model's traced step at the measured budgets on
     ``device`` (a DeviceModel): rows by model and fraction. ``host_time``:
-    ``simulate``'s (Note [Host time between ops])."""
+    ``simulate``'s (Note [Host time between ops], Note [Backward's start])."""
     rows = {}
     for name, model in measured["models"].items():
         if model.get("traces"):
@@ -285,25 +286,27 @@ def ablate(measured: dict) -> None:
     """The link model part by part against one measurement: main's model
     before this branch (torch copy rate, a GPU's pages), the host backend's
     copy rate alone, then with the duplex and compute shares, then with the
-    hand-off latency, then with the rate by copy size (the full window model,
-    Note [Rate by copy size]); last, the model plus the traces' host time
-    between ops (Note [Host time between ops]; zero in traces made before it
-    was recorded)."""
+    hand-off latency, then with the rate by copy size (Note [Rate by copy
+    size]), then with the host time before backward's first op (the full
+    window model, Note [Backward's start]); last, every traced host gap
+    between ops (Note [Host time between ops]; both zero in traces made
+    before host time was recorded)."""
     import dataclasses
     import statistics
 
     final = window_device(measured)
     torch_copy = statistics.median(c["memory_bytes_per_s"] for c in measured["calibrations"]) / 2
     variants = {
-        f"torch copy rate ({torch_copy / 1e9:.1f} GB/s), 2 MiB pages": dataclasses.replace(
+        f"torch copy rate ({torch_copy / 1e9:.1f} GB/s), 2 MiB pages": (dataclasses.replace(
             final, link_bytes_per_s=torch_copy, link_duplex_share=1.0, link_compute_share=1.0, link_latency_s=0.0,
-            page_bytes=2 << 20, link_rate_by_size=()),
-        "host-backend copy rate": dataclasses.replace(final, link_duplex_share=1.0, link_compute_share=1.0,
-                                                      link_latency_s=0.0, link_rate_by_size=()),
-        "+ duplex and compute shares": dataclasses.replace(final, link_latency_s=0.0, link_rate_by_size=()),
-        "+ hand-off latency": dataclasses.replace(final, link_rate_by_size=()),
-        "+ rate by copy size (the model)": final,
-        "+ host time between ops (traced)": (final, True),
+            page_bytes=2 << 20, link_rate_by_size=()), False),
+        "host-backend copy rate": (dataclasses.replace(final, link_duplex_share=1.0, link_compute_share=1.0,
+                                                       link_latency_s=0.0, link_rate_by_size=()), False),
+        "+ duplex and compute shares": (dataclasses.replace(final, link_latency_s=0.0, link_rate_by_size=()), False),
+        "+ hand-off latency": (dataclasses.replace(final, link_rate_by_size=()), False),
+        "+ rate by copy size": (final, False),
+        "+ backward's start (the model)": (final, "backward"),
+        "+ every host gap between ops (traced)": (final, True),
     }
     warmup = measured["warmup"]
     points = {(name, f): _median([x for r in runs if "error" not in r for x in _stall_and_recompute(r, warmup)])
@@ -312,7 +315,7 @@ def ablate(measured: dict) -> None:
     print("|---|" + "---|" * len(points))
     print("| measured stall+recompute (median) | " + " | ".join(f"{v * 1e3:.1f} ms" for v in points.values()) + " |")
     for label, device in variants.items():
-        device, host_time = device if isinstance(device, tuple) else (device, False)
+        device, host_time = device
         rows = predict(measured, device, host_time)
         cells = []
         for (n, f), m in points.items():
@@ -389,7 +392,7 @@ def main() -> int:
     v.add_argument("--load", help="predict against results saved by --save instead of running")
     v.add_argument("--actions", default="both", choices=("swap", "recompute", "both"))
     v.add_argument("--variants", action="store_true",
-                   help="with --load: stall+recompute under the link model part by part")
+                   help="with --load: stall+recompute under the model part by part")
     t = sub.add_parser("table")
     t.add_argument("--models", default="gpt2,bert,resnet50,lstm-nmt,llama-7b")
     t.add_argument("--budgets", default="80%,60%,40%")

@@ -156,12 +156,14 @@ def _trace(name: str):
 
 def _simulate(trace, budget: int, actions: str, device) -> Dict[str, Any]:
     from membudget import harness
-    from membudget.replay_program import op_durations
+    from membudget.replay_program import backward_start_seconds, op_durations
     from membudget.simulate import _replay
 
     durations = op_durations(trace, device)
+    # As simulate() by default: the host time at backward's start (Note [Backward's start]).
     return _replay(trace, durations, "manager", "delta", budget, device.memory_bytes, device,
-                   harness.DEFAULT_MIN_TENSOR_BYTES, 256 << 20, 0.8, 2, actions, True, record_timeline=True)
+                   harness.DEFAULT_MIN_TENSOR_BYTES, 256 << 20, 0.8, 2, actions, True, record_timeline=True,
+                   host=backward_start_seconds(trace, device))
 
 
 def _line(label: str, s: Dict[str, Any]) -> str:

@@ -288,6 +288,41 @@ def test_host_time_runs_after_the_packs_and_before_the_unpacks():
     assert rows[True].compute_s == pytest.approx(rows[False].compute_s + 0.75)  # the measured iteration's
 
 
+def test_backward_start_host_time_is_spent_by_default():
+    # Note [Backward's start] (membudget.replay_program): of the traced host
+    # gaps, only those from forward's last pack through backward's first op
+    # (the loss returning, backward()'s seed gradient, the engine's start)
+    # are spent by default; every gap with host_time=True, none with False.
+    from membudget.replay_program import backward_start_seconds
+    from membudget.trace import Trace, TraceOp, TraceTensor
+
+    def op(index, phase, inputs, outputs, host_s):
+        return TraceOp(index=index, name="aten.mul.Tensor", phase=phase, category="elementwise", flops=0,
+                       bytes_read=MiB, bytes_written=MiB, duration_s=1e-3, inputs=inputs, outputs=outputs,
+                       host_s=host_s)
+
+    # op 1 (the loss) saves tensor 0, packed after it returns (pack op index 2); op 2 makes the seed
+    # gradient, op 3 is backward's first; op 4 runs in backward after it.
+    ops = [op(0, "forward", [], [0], 0.5), op(1, "forward", [0], [1], 0.25), op(2, "forward", [], [2], 0.125),
+           op(3, "backward", [2], [3], 0.0625), op(4, "backward", [0, 3], [4], 2.0)]
+    tensors = [TraceTensor(id=i, bytes=MiB, shape=(MiB // 4,), dtype="float32", producer=i, saved=(i == 0),
+                           dies_after=4, kind="activation" if i < 2 else "other") for i in range(5)]
+    for t in tensors:
+        t.consumers = [o.index for o in ops if t.id in o.inputs]
+    trace = Trace(ops=ops, tensors=tensors, pack_order=[0], pack_ops=[2], unpack_order=[0], unpack_ops=[4])
+    assert backward_start_seconds(trace, costs.device_model("h200"), measured=True) == [0.0, 0.0, 0.125, 0.0625, 0.0]
+    assert backward_start_seconds(trace, costs.device_model("h200")) == [0.0] * 5  # roofline durations: none
+    no_pack = Trace(ops=ops, tensors=tensors, pack_order=[], pack_ops=[], unpack_order=[], unpack_ops=[])
+    assert backward_start_seconds(no_pack, costs.device_model("h200"), measured=True) == [0.0, 0.0, 0.0, 0.0625, 0.0]
+    rows = {flag: membudget.simulate(trace, [1 << 30], ["delta"], "h200", baselines=(), min_tensor_bytes=1,
+                                     measured=True, **({} if flag == "default" else {"host_time": flag}))[0]
+            for flag in (False, "default", True)}
+    assert rows["default"].compute_s == pytest.approx(rows[False].compute_s + 0.1875)
+    assert rows[True].compute_s == pytest.approx(rows[False].compute_s + 2.9375)
+    with pytest.raises(ValueError, match="host_time"):
+        membudget.simulate(trace, [1 << 30], ["delta"], "h200", baselines=(), host_time="forward")
+
+
 def test_swapping_policies_swap_and_baselines_behave(gpt_trace):
     rows = {r.policy: r for r in membudget.simulate(gpt_trace, ["50%"], device="h200",
                                                     min_tensor_bytes=16 * 1024)}

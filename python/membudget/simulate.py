@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from . import costs
 from .config import Percent, parse_bytes
-from .replay_program import compile_program, host_seconds, op_durations
+from .replay_program import backward_start_seconds, compile_program, host_seconds, op_durations
 from .trace import Trace
 
 __all__ = ["SimRow", "BASELINES", "simulate", "policies", "resolve_budgets", "unbudgeted_peak"]
@@ -143,7 +143,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
              actions: str = "both", expandable_segments: bool = True,
              recompute_ahead: bool = False, side_stream_overlap: float = 0.25,
              offload_window: int = 2, iterations: int = 2, floor: bool = False, floor_time_limit_s: float = 60.0,
-             host_time: bool = False,
+             host_time: Union[bool, str] = "backward",
              measured: Optional[bool] = None, device_capacity: Optional[int] = None,
              progress: Optional[Callable[[int, int, str], None]] = None) -> List[SimRow]:
     """Simulate ``trace`` at each budget (bytes, ``"12GiB"`` or ``"60%"`` of
@@ -168,9 +168,12 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
     op durations over the roofline (default: when the trace has them and the
     device is ``cpu-host``). ``device_capacity`` overrides the device's memory
     (default: the model's; a budget above it is infeasible, as on the device).
-    ``host_time`` spends each op's traced host time before it (``TraceOp.host_s``,
-    Note [Host time between ops]) on the compute stream when the measured
-    durations are used; off by default (docs/simulator.md says why).
+    ``host_time`` spends traced host time (``TraceOp.host_s``, Note [Host
+    time between ops]) on the compute stream when the measured durations are
+    used: ``True`` each op's, ``"backward"`` (the default) only the gap
+    before backward's first op (Note [Backward's start] in
+    :mod:`membudget.replay_program`), ``False`` none (docs/simulator.md says
+    why not every gap by default).
     ``progress(done, total, label)`` is called after each replay. Returns one
     :class:`SimRow` per (policy or baseline, budget), budgets in the given
     order."""
@@ -178,8 +181,16 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
         raise ValueError(f"iterations must be at least 2 (the manager predicts from the previous one), got {iterations}")
     model = costs.device_model(device) if isinstance(device, str) else device
     durations = op_durations(trace, model, measured)
-    # Note [Host time between ops]: off by default (docs/simulator.md).
-    host = host_seconds(trace, model, measured) if host_time else [0.0] * len(trace.ops)
+    # Note [Host time between ops]: every gap only when asked (docs/simulator.md);
+    # Note [Backward's start]: the engine's start by default.
+    if host_time not in (True, False, "backward"):
+        raise ValueError(f"host_time must be True, False or 'backward', got {host_time!r}")
+    if host_time == "backward":
+        host = backward_start_seconds(trace, model, measured)
+    elif host_time:
+        host = host_seconds(trace, model, measured)
+    else:
+        host = [0.0] * len(trace.ops)
     reference = unbudgeted_peak(trace, model) if any(isinstance(b, str) for b in budgets) else 0
     budget_bytes = resolve_budgets(budgets, reference)
     names = list(policies) if policies is not None else globals()["policies"]()

@@ -61,7 +61,9 @@ allocation needed its memory, while the simulation, with only the ops' 0.08
 ms in between, waited for the whole copy. Measured on real tensors only
 (``0`` on fake ones); ``simulate(..., host_time=True)`` spends it on the
 compute stream when it uses the measured durations (``cpu-host``), see
-:func:`membudget.replay_program.host_seconds`. Off by default: the
+:func:`membudget.replay_program.host_seconds`; by default only the gaps
+at backward's start (Note [Backward's start] in
+:mod:`membudget.replay_program`). Every gap is off by default: the
 recorder's dispatch into Python inflates every gap, and membudget's own host
 time in a managed run (most of that 1.2 ms) is not in it (docs/simulator.md).
 """
