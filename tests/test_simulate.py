@@ -716,6 +716,56 @@ def test_an_eviction_that_fits_in_one_victim_marks_backwards_pressure():
     assert r["recompute_s"] == pytest.approx(0.02)
 
 
+def _replay_overhead_program(w_bytes):
+    """Forward saves U (50 MB), V (100 MB, replayed from U in 0.01 s) and W
+    (``w_bytes``, not recomputable); W's allocation must evict, and V, a
+    cheap replay, is dropped. Backward uses V (replayed: its allocation may
+    have to evict W), then W and U."""
+    prog = Program(tensor_bytes=[50_000_000, 100_000_000, w_bytes])
+    prog.replay_seconds = [0.0, 0.01, 0.0]
+    prog.replay_input_offsets = [0, 0, 1, 1]
+    prog.replay_inputs = [0]
+    for t in (0, 1, 2):
+        _save(prog, t, 0.1)
+    for t in (1, 2, 0):
+        _use(prog, t, 0.1)
+    return prog
+
+
+def _replay_overhead_run(prog, budget, iterations, replay_overhead_s):
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                       1 << 40, 1e9, True, "delta", 0, 1.0, iterations, "both", prog.replay_seconds,
+                                       prog.replay_input_offsets, prog.replay_inputs,
+                                       replay_overhead_s=replay_overhead_s)
+
+
+def test_a_replay_dearer_than_its_estimate_is_learned():
+    # Note [Replay overhead]. Each replay takes 1 s beyond its 0.01 s of ops
+    # (the runtime's replay path on the CPU costs more than forward's ops).
+    # The first iteration drops V and times its replay; from then on V costs
+    # 0.01 s plus what was learned (0.25 s after one sample), more than
+    # swapping it (0.25 s): the measured iteration swaps and replays nothing.
+    # Priced by its ops alone, V would be dropped again: 1 s more a step.
+    r = _replay_overhead_run(_replay_overhead_program(400_000_000), 500_000_000, 2, 1.0)
+    assert r["feasible"] and r["eviction_count"] == 2
+    assert (r["drop_count"], r["recompute_count"]) == (0, 0)
+
+
+def test_waits_inside_a_replay_are_not_replay_overhead():
+    # Note [Replay overhead]. V's replay must evict W (800 MB) first: a 0.8 s
+    # synchronous copy-out inside the replay, which W's eviction costs with
+    # or without it. The replay itself costs what it was estimated at, so V
+    # stays a drop through the third iteration. Counted as the replay's, the
+    # wait would price V at 0.36 s by then, over its 0.25 s swap, and the
+    # step would pay the swap (2.45 s against 2.21).
+    r = _replay_overhead_run(_replay_overhead_program(800_000_000), 900_000_000, 3, 0.0)
+    assert r["feasible"]
+    assert (r["drop_count"], r["recompute_count"]) == (1, 1)
+    assert r["total_s"] == pytest.approx(2.21)
+
+
 def test_delta_weighs_only_the_bytes_a_request_misses():
     # Note [Bytes a request needs]. Forward saves L (100 MiB, replays in
     # 0.02 s), S (40 MiB, 0.01 s) and a small W. Backward unpacks W, then a

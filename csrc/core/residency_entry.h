@@ -93,6 +93,12 @@ class ResidencyEntry {
   double replay_seconds_ = 0.0;         // its own replay, down to live or managed inputs
   std::vector<uint64_t> inputs_;        // ids of managed entries the replay reads
   std::vector<uint64_t> dependents_;    // ids of entries whose replay reads this one
+  // Note [Replay overhead]: set when a replay on demand begins: its estimate
+  // (without the learned overhead), how many replays it comprises (0: none
+  // begun) and the manager's blocked seconds then.
+  double replay_estimate_s_ = 0.0;
+  int replay_chain_ = 0;
+  double replay_blocked_start_s_ = 0.0;
 };
 
 }  // namespace membudget

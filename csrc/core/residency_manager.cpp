@@ -299,7 +299,9 @@ EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool w
 
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
   if (entry->state_ == Residency::swapping_out) {
+    auto start = backend_.clock_now();
     entry->copy_event_->wait();
+    blocked_seconds_ += seconds_since(backend_, start);
     finish_copy(entry);
   }
   Decision decision;
@@ -315,7 +317,9 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
     }
     auto start = backend_.clock_now();
     copy_out(entry, stream, /*waited_at_once=*/true)->wait();
-    note_copy_time(entry->bytes(), seconds_since(backend_, start));
+    const double waited = seconds_since(backend_, start);
+    note_copy_time(entry->bytes(), waited);
+    blocked_seconds_ += waited;
     entry->host_valid_ = true;
   }
   entry->drop_device_copy();
@@ -462,7 +466,9 @@ void ResidencyManager::wait_for_arrival(ResidencyEntry* entry, Stream stream, bo
   // host backend this blocks.
   auto start = backend_.clock_now();
   backend_.stream_wait(stream, entry->copy_event_);
-  counters_.stall_seconds += seconds_since(backend_, start);
+  const double waited = seconds_since(backend_, start);
+  counters_.stall_seconds += waited;
+  blocked_seconds_ += waited;
   finish_copy(entry);
   if (was_prefetched) ++counters_.prefetch_hits;
 }
@@ -495,7 +501,9 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       ++counters_.prefetch_misses;
       auto start = backend_.clock_now();
       swap_in(entry, stream, /*wait=*/true);
-      counters_.stall_seconds += seconds_since(backend_, start);
+      const double waited = seconds_since(backend_, start);
+      counters_.stall_seconds += waited;
+      blocked_seconds_ += waited;
       break;
     }
     case Residency::recomputing:
@@ -508,6 +516,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
         // the queue took (released by unpin() after complete_recompute()).
         unqueue_recompute_ahead(entry);
         ++replays_in_progress_;
+        begin_replay_estimate(entry);
         issue_prefetches(stream);
         return nullptr;
       }
@@ -516,6 +525,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       entry->state_ = Residency::recomputing;
       ++entry->pins_;  // released by unpin() after complete_recompute()
       ++replays_in_progress_;
+      begin_replay_estimate(entry);
       issue_prefetches(stream);
       return nullptr;
   }
@@ -759,11 +769,13 @@ void ResidencyManager::maybe_start_background_swaps() {
 
 void ResidencyManager::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  const auto start = backend_.clock_now();
   while (!in_flight_.empty()) {
     ResidencyEntry* entry = in_flight_.back();
     entry->copy_event_->wait();
     finish_copy(entry);
   }
+  blocked_seconds_ += seconds_since(backend_, start);
 }
 
 ManagerStats ResidencyManager::stats() const {
@@ -772,6 +784,7 @@ ManagerStats ResidencyManager::stats() const {
   s.iteration = iteration_;
   s.dropped_bytes = 0;
   s.link_bytes_per_s = link_bytes_per_s_;
+  s.replay_overhead_seconds = replay_overhead_s_;
   s.prefetch_window_used_bytes = prefetch_outstanding_bytes_;
   s.live_entries = entries_.size();
   for (const ResidencyEntry* entry : entries_) {

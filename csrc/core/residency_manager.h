@@ -106,6 +106,9 @@ struct ManagerStats {
   size_t recompute_count = 0;        // dropped entries brought back by replay
   size_t recompute_bytes = 0;
   double recompute_seconds = 0.0;    // time spent replaying
+  // Note [Replay overhead]: what a replay takes beyond its ops' recorded
+  // time and its waits for copies, learned (moving average, per replay).
+  double replay_overhead_seconds = 0.0;
   // Note [Recompute ahead]
   size_t recomputed_ahead_count = 0; // replays ahead of use completed (also in recompute_count)
   size_t recompute_ahead_failed = 0; // replays ahead that failed (no room): dropped again
@@ -287,7 +290,12 @@ class ResidencyManager final : public Evictor {
   bool is_evictable(const ResidencyEntry* entry) const;
   // Recompute and the director (residency_recompute.cpp).
   ResidencyEntry* find(uint64_t id) const;
-  double recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
+  // Its replay's cost with dropped ancestors' replays and host inputs'
+  // copy-ins, each replay with the learned overhead (Note [Replay
+  // overhead]); `replays`, when given, counts the replays it comprises.
+  double recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited, int* replays = nullptr) const;
+  // Note [Replay overhead]: a replay on demand begins (timed against its estimate).
+  void begin_replay_estimate(ResidencyEntry* entry);
   std::vector<uint64_t> dropped_neighbours(const ResidencyEntry* entry) const;
   double seconds_until_next_use(const EvictionCandidate& candidate) const;
   // Note [Pressure horizon]: in backward, predicted seconds until the last
@@ -318,6 +326,20 @@ class ResidencyManager final : public Evictor {
   double link_bytes_per_s_ = 10e9;
   double pack_interval_s_ = 0.0;                  // EMA between packs of one forward
   double unpack_interval_s_ = 0.0;                // EMA between unpacks of one backward
+  // Note [Replay overhead]: a replay is priced by what its ops took when
+  // forward recorded them, but a replay on demand costs more: on the CPU the
+  // replay path (Python, rebuilding the arguments, first touch of a fresh
+  // allocation) took 1.5-3x the estimate in real GPT-2 runs (at 50% of its
+  // peak, 4 replays a step: 4.9 ms against 2.9 estimated; at 60%, 1.4 ms
+  // against 0.5), so delta dropped where a swap was cheaper. Each replay on
+  // demand is timed from materialize() to complete_recompute(); less its
+  // estimate then and less the manager's waits for copies in between (its
+  // inputs' swap-ins, its allocation's evictions: priced where they are
+  // chosen, and they would happen without the replay too), per replay of
+  // the chain, it feeds this moving average (either sign; counted from 0
+  // up), which recompute_total() adds to every replay it prices.
+  double replay_overhead_s_ = 0.0;
+  double blocked_seconds_ = 0.0;                  // waits for copies, all told (Note [Replay overhead])
   std::chrono::steady_clock::time_point last_pack_{};
   std::chrono::steady_clock::time_point last_unpack_{};
   // The mean gap between unpacks of the last completed backward, and what

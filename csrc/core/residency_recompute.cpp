@@ -67,17 +67,19 @@ void ResidencyManager::drop_planned() {
   }
 }
 
-double ResidencyManager::recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const {
+double ResidencyManager::recompute_total(const ResidencyEntry* entry, std::vector<uint64_t>& visited,
+                                         int* replays) const {
   // Its own replay plus the replays of dropped inputs it would trigger, each
   // counted once (a diamond of dropped ancestors replays every node once).
-  double total = entry->replay_seconds_;
+  double total = entry->replay_seconds_ + std::max(replay_overhead_s_, 0.0);
+  if (replays != nullptr) ++*replays;
   visited.push_back(entry->id());
   for (uint64_t id : entry->inputs_) {
     if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
     const ResidencyEntry* input = find(id);
     if (input == nullptr) continue;
     if (input->state_ == Residency::dropped) {
-      total += recompute_total(input, visited);
+      total += recompute_total(input, visited, replays);
     } else if (input->state_ == Residency::host) {
       total += static_cast<double>(input->bytes()) / link_bytes_per_s_;
       visited.push_back(id);
@@ -150,7 +152,9 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
 
 size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   if (entry->state_ == Residency::swapping_out) {
+    auto start = backend_.clock_now();
     entry->copy_event_->wait();
+    blocked_seconds_ += std::chrono::duration<double>(backend_.clock_now() - start).count();
     finish_copy(entry);
   }
   entry->drop_device_copy();
@@ -183,6 +187,24 @@ void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded,
   }
   entry->state_ = Residency::resident;
   note_rebuilt(entry, seconds);
+  if (entry->replay_chain_ > 0) {
+    // Note [Replay overhead]: beyond the estimate and the waits for copies
+    // in between (its inputs' swap-ins, its allocation's evictions: their
+    // cost is priced where they are chosen), per replay of the chain.
+    const double waits = blocked_seconds_ - entry->replay_blocked_start_s_;
+    const double sample = (seconds - waits - entry->replay_estimate_s_) / entry->replay_chain_;
+    replay_overhead_s_ = (1.0 - kEmaWeight) * replay_overhead_s_ + kEmaWeight * sample;
+    entry->replay_chain_ = 0;
+  }
+}
+
+void ResidencyManager::begin_replay_estimate(ResidencyEntry* entry) {
+  std::vector<uint64_t> visited;
+  int replays = 0;
+  const double total = recompute_total(entry, visited, &replays);
+  entry->replay_estimate_s_ = total - std::max(replay_overhead_s_, 0.0) * replays;
+  entry->replay_chain_ = replays;
+  entry->replay_blocked_start_s_ = blocked_seconds_;
 }
 
 void ResidencyManager::note_rebuilt(ResidencyEntry* entry, double seconds) {

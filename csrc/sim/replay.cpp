@@ -330,6 +330,10 @@ class Replayer {
   void rebuild(int64_t id, int depth) {
     if (depth > kMaxReplayDepth) throw std::runtime_error("replay: recompute chain too deep");
     SimulatedActivation* entry = tensors_[id].entry.get();
+    // Timed as the runtime times a replay (Note [Replay overhead]): from its
+    // start to its end, its inputs' swap-ins and replays and its
+    // allocation's evictions included.
+    const double started = backend_.now();
     std::vector<SimulatedActivation*> inputs;
     for (int64_t input : replay_inputs(id)) {
       SimulatedActivation* e = tensors_[input].entry.get();
@@ -337,11 +341,11 @@ class Replayer {
       inputs.push_back(e);  // pinned by materialize until unpin below
     }
     void* ptr = device_.allocate(bytes_of(id));
-    const double seconds = program_.replay_seconds[id];
+    const double seconds = program_.replay_seconds[id] + config_.replay_overhead_s;
     backend_.run_compute(seconds);
     recompute_s_ += seconds;
     entry->attach_device_copy(ptr);
-    manager_.complete_recompute(entry, true, seconds);
+    manager_.complete_recompute(entry, true, backend_.now() - started);
     for (SimulatedActivation* e : inputs) manager_.unpin(e);
   }
 

@@ -79,6 +79,9 @@ struct ReplayConfig {
   // Note [Side stream contention]: the share of a side-stream replay that
   // backward's kernels leave room for (0: none, 1: all).
   double side_stream_overlap = 0.25;
+  // Note [Replay overhead]: modelled time a replay on demand takes beyond
+  // its ops (the runtime's replay goes through Python); 0 by default.
+  double replay_overhead_s = 0.0;
   bool record_timeline = false;        // keep the measured iteration's copies and waits
 };
 

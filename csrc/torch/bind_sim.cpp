@@ -53,7 +53,8 @@ void bind_sim(py::module_& m) {
          std::vector<int64_t> replay_input_offsets, std::vector<int64_t> replay_inputs, bool expandable_segments,
          bool log_decisions, bool recompute_ahead, double side_stream_overlap, bool record_timeline,
          double link_duplex_share, double link_compute_share, double link_latency_s, size_t page_bytes,
-         bool copies_ahead, std::vector<std::pair<double, double>> link_rate_by_size, double compute_copy_share) {
+         bool copies_ahead, std::vector<std::pair<double, double>> link_rate_by_size, double compute_copy_share,
+         double replay_overhead_s) {
         ReplayProgram program{std::move(tensor_bytes), std::move(codes), std::move(tensors), std::move(seconds),
                               prologue_length, std::move(replay_seconds), std::move(replay_input_offsets),
                               std::move(replay_inputs)};
@@ -81,6 +82,7 @@ void bind_sim(py::module_& m) {
         config.page_bytes = page_bytes;
         config.link_latency_s = link_latency_s;
         config.link_compute_share = link_compute_share;
+        config.replay_overhead_s = replay_overhead_s;
         config.link_rate_by_size = std::move(link_rate_by_size);
         config.compute_copy_share = compute_copy_share;
         ReplayResult result;
@@ -100,7 +102,7 @@ void bind_sim(py::module_& m) {
       py::arg("record_timeline") = false, py::arg("link_duplex_share") = 1.0, py::arg("link_compute_share") = 1.0,
       py::arg("link_latency_s") = 0.0, py::arg("page_bytes") = 0, py::arg("copies_ahead") = true,
       py::arg("link_rate_by_size") = std::vector<std::pair<double, double>>{},
-      py::arg("compute_copy_share") = 1.0,
+      py::arg("compute_copy_share") = 1.0, py::arg("replay_overhead_s") = 0.0,
       "Replays a compiled program (membudget/simulate.py) through the real allocator and residency "
       "manager over a SimBackend; returns the measured iteration's numbers as a dict.");
   sim.def("policies", &filter_names, "Eviction policies (filters) the manager accepts.");

@@ -120,6 +120,7 @@ py::dict memory_stats() {
   d["recompute_count"] = m.recompute_count;
   d["recompute_bytes"] = m.recompute_bytes;
   d["recompute_seconds"] = m.recompute_seconds;
+  d["replay_overhead_seconds"] = m.replay_overhead_seconds;
   d["recomputed_ahead_count"] = m.recomputed_ahead_count;
   d["recompute_ahead_failed"] = m.recompute_ahead_failed;
   d["recompute_ahead_wasted"] = m.recompute_ahead_wasted;
