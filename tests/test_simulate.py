@@ -686,36 +686,6 @@ def test_delta_values_no_memory_past_backwards_last_eviction():
     assert r["recompute_s"] == pytest.approx(0.01)
 
 
-def test_an_eviction_that_fits_in_one_victim_marks_backwards_pressure():
-    # Note [Eviction pressure], the allocator-aware first pass. Forward
-    # saves C, B, A (100 MiB each; replays in 0.03, 0.02, 0.01 s) and a
-    # small W. Backward unpacks W; a 100 MiB temporary (E1) must drop one;
-    # then A is unpacked and a 200 MiB temporary (E2) needs room; then B and
-    # C. Both requests are served by one victim whose block fits them (the
-    # first pass), and such an eviction is pressure like any other: the
-    # first iteration marks E1 and E2, so at the second one's E1 memory is
-    # known to stay short until E2, and delta drops B (needed after E2),
-    # which leaves room for E2: one replay, 0.02 s. Unmarked, backward would
-    # look free of pressure from E1 on: delta would drop A, the cheapest,
-    # needed at once, and E2 would drop B too: 0.03 s.
-    prog = Program(tensor_bytes=[100 * MiB, 100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB, 200 * MiB])
-    # C, B, A, W, E1's temporary, E2's temporary
-    prog.replay_seconds = [0.03, 0.02, 0.01, 0.0, 0.0, 0.0]
-    prog.replay_input_offsets = [0] * 7
-    for t in (0, 1, 2, 3):
-        _save(prog, t, 0.1)
-    _use(prog, 3, 0.1)
-    _temporary(prog, 4, 0.1)
-    _use(prog, 2, 0.1)
-    _temporary(prog, 5, 0.1)
-    for t in (1, 0):
-        _use(prog, t, 0.1)
-    r = _recompute_only_replay(prog, 320 * MiB)
-    assert r["feasible"]
-    assert (r["eviction_count"], r["recompute_count"]) == (1, 1)
-    assert r["recompute_s"] == pytest.approx(0.02)
-
-
 def _replay_overhead_program(w_bytes):
     """Forward saves U (50 MB), V (100 MB, replayed from U in 0.01 s) and W
     (``w_bytes``, not recomputable); W's allocation must evict, and V, a

@@ -359,27 +359,21 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
     // Allocator-aware (Coop): freeing the best-scored victims may leave a
     // large request in pieces. First look, in the filter's order, for one
     // victim whose block merges with free neighbours into a range that fits.
-    // It fits then: nothing else needs to go. Such an eviction is pressure
-    // like any other (the end of the function marks it): returned from here
-    // unmarked, every backward eviction of a large request that one victim
-    // covered left no mark, and delta took backward's pressure to end
-    // before them (Note [Eviction pressure]: at the CNN at 50% of its peak
-    // on the CPU, real runs, the 2 MiB requests of backward's second half
-    // went unmarked, so at its first half's 512 KiB requests every horizon
-    // ended five unpacks ahead and delta copied out 512 KiB activations
-    // needed 5-8 unpacks later, one after another, where one 2 MiB one
-    // needed 35 later covered them all: 26.5 MiB out per step against 24).
     if (bytes_needed > kSmallSize) {
       for (const EvictionCandidate& c : ordered) {
         const void* block = c.entry->device_data();
         if (device_.usable_range_at(block) < bytes_needed) continue;
         size_t bytes = release_device_copy(c.entry, stream);
         if (bytes == 0) continue;
-        freed += bytes;
-        fits = true;
-        break;
+        // It fits now: nothing else needs to go. Returned before the end,
+        // such an eviction leaves no mark of backward's pressure (Note
+        // [Eviction pressure]). Marking it was measured (session 15 in
+        // bench/RESULTS.md): real CNN at 50% on the CPU 26.5 -> 24.0 MiB out
+        // per step, but BERT at 40% on h200 (recompute only) then replayed
+        // one entry ahead that backward dropped again, against the rule
+        // test_no_replay_ahead_where_backward_had_to_evict guards.
+        return freed + bytes;
       }
-      if (fits) break;
     }
     // Note [Bytes a request needs]: the filter ranks by what a victim frees
     // of what is still missing, so the order is redone as that shrinks.

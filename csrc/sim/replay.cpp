@@ -327,26 +327,30 @@ class Replayer {
   // A dropped entry that materialize() marked recomputing (and pinned):
   // bring its managed inputs back (rebuilding dropped ones first), allocate
   // it, run its replay on the compute stream, hand it back to the manager.
-  void rebuild(int64_t id, int depth) {
+  double rebuild(int64_t id, int depth) {
     if (depth > kMaxReplayDepth) throw std::runtime_error("replay: recompute chain too deep");
     SimulatedActivation* entry = tensors_[id].entry.get();
-    // Timed as the runtime times a replay (Note [Replay overhead]): from its
-    // start to its end, its inputs' swap-ins and replays and its
-    // allocation's evictions included.
-    const double started = backend_.now();
+    // Timed as the runtime times a replay (Note [Replay overhead]): its
+    // replays (its own, its dropped inputs') and its waits for copies (its
+    // inputs' swap-ins, its allocation's evictions). Not the wall time in
+    // between, which also runs side-stream replays ahead.
+    const double stalled = backend_.stall_seconds();
+    double replays = 0.0;
     std::vector<SimulatedActivation*> inputs;
     for (int64_t input : replay_inputs(id)) {
       SimulatedActivation* e = tensors_[input].entry.get();
-      if (manager_.materialize(e, nullptr) == nullptr) rebuild(input, depth + 1);
+      if (manager_.materialize(e, nullptr) == nullptr) replays += rebuild(input, depth + 1);
       inputs.push_back(e);  // pinned by materialize until unpin below
     }
     void* ptr = device_.allocate(bytes_of(id));
     const double seconds = program_.replay_seconds[id] + config_.replay_overhead_s;
     backend_.run_compute(seconds);
     recompute_s_ += seconds;
+    replays += seconds;
     entry->attach_device_copy(ptr);
-    manager_.complete_recompute(entry, true, backend_.now() - started);
+    manager_.complete_recompute(entry, true, replays + (backend_.stall_seconds() - stalled));
     for (SimulatedActivation* e : inputs) manager_.unpin(e);
+    return replays;
   }
 
   void offload(int64_t id, bool wait) {
