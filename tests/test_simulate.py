@@ -645,14 +645,21 @@ def test_backward_pace_does_not_count_the_forward():
     assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
 
 
-def _recompute_only_replay(prog, budget, policy="delta"):
-    """Two iterations through the manager with recompute only (no copies,
-    no background swap-outs), measuring the second."""
+def _lineage_replay(prog, budget, actions, iterations=2, policy="delta", **options):
+    """``iterations`` through the manager with ``prog``'s replays declared and
+    ``actions`` allowed (1 GB/s link, no prefetch, no watermark), measuring
+    the last; ``options`` go to sim.replay as they are."""
     from membudget._native import load_extension
 
     return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
-                                       1 << 40, 1e9, True, policy, 0, 1.0, 2, "recompute", prog.replay_seconds,
-                                       prog.replay_input_offsets, prog.replay_inputs)
+                                       1 << 40, 1e9, True, policy, 0, 1.0, iterations, actions, prog.replay_seconds,
+                                       prog.replay_input_offsets, prog.replay_inputs, **options)
+
+
+def _recompute_only_replay(prog, budget, policy="delta"):
+    """Two iterations through the manager with recompute only (no copies,
+    no background swap-outs), measuring the second."""
+    return _lineage_replay(prog, budget, "recompute", policy=policy)
 
 
 def _last_eviction_program(tensor_bytes, replay_seconds):
@@ -702,15 +709,6 @@ def _replay_overhead_program(w_bytes):
     return prog
 
 
-def _replay_overhead_run(prog, budget, iterations, replay_overhead_s):
-    from membudget._native import load_extension
-
-    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
-                                       1 << 40, 1e9, True, "delta", 0, 1.0, iterations, "both", prog.replay_seconds,
-                                       prog.replay_input_offsets, prog.replay_inputs,
-                                       replay_overhead_s=replay_overhead_s)
-
-
 def test_a_replay_dearer_than_its_estimate_is_learned():
     # Note [Replay overhead]. Each replay takes 1 s beyond its 0.01 s of ops
     # (the runtime's replay path on the CPU costs more than forward's ops).
@@ -718,7 +716,7 @@ def test_a_replay_dearer_than_its_estimate_is_learned():
     # 0.01 s plus what was learned (0.25 s after one sample), more than
     # swapping it (0.25 s): the measured iteration swaps and replays nothing.
     # Priced by its ops alone, V would be dropped again: 1 s more a step.
-    r = _replay_overhead_run(_replay_overhead_program(400_000_000), 500_000_000, 2, 1.0)
+    r = _lineage_replay(_replay_overhead_program(400_000_000), 500_000_000, "both", replay_overhead_s=1.0)
     assert r["feasible"] and r["eviction_count"] == 2
     assert (r["drop_count"], r["recompute_count"]) == (0, 0)
 
@@ -730,7 +728,7 @@ def test_waits_inside_a_replay_are_not_replay_overhead():
     # stays a drop through the third iteration. Counted as the replay's, the
     # wait would price V at 0.36 s by then, over its 0.25 s swap, and the
     # step would pay the swap (2.45 s against 2.21).
-    r = _replay_overhead_run(_replay_overhead_program(800_000_000), 900_000_000, 3, 0.0)
+    r = _lineage_replay(_replay_overhead_program(800_000_000), 900_000_000, "both", iterations=3)
     assert r["feasible"]
     assert (r["drop_count"], r["recompute_count"]) == (1, 1)
     assert r["total_s"] == pytest.approx(2.21)

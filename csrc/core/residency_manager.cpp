@@ -299,9 +299,7 @@ EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool w
 
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
   if (entry->state_ == Residency::swapping_out) {
-    auto start = backend_.clock_now();
-    entry->copy_event_->wait();
-    blocked_seconds_ += seconds_since(backend_, start);
+    wait_blocked(entry->copy_event_);
     finish_copy(entry);
   }
   Decision decision;
@@ -315,11 +313,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       // The director saw room that another entry took since: recompute if it may.
       return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry) : 0;
     }
-    auto start = backend_.clock_now();
-    copy_out(entry, stream, /*waited_at_once=*/true)->wait();
-    const double waited = seconds_since(backend_, start);
-    note_copy_time(entry->bytes(), waited);
-    blocked_seconds_ += waited;
+    note_copy_time(entry->bytes(), wait_blocked(copy_out(entry, stream, /*waited_at_once=*/true)));
     entry->host_valid_ = true;
   }
   entry->drop_device_copy();
@@ -761,15 +755,21 @@ void ResidencyManager::maybe_start_background_swaps() {
   }
 }
 
+double ResidencyManager::wait_blocked(const EventPtr& event) {
+  const auto start = backend_.clock_now();
+  event->wait();
+  const double waited = seconds_since(backend_, start);
+  blocked_seconds_ += waited;
+  return waited;
+}
+
 void ResidencyManager::synchronize() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  const auto start = backend_.clock_now();
   while (!in_flight_.empty()) {
     ResidencyEntry* entry = in_flight_.back();
-    entry->copy_event_->wait();
+    wait_blocked(entry->copy_event_);
     finish_copy(entry);
   }
-  blocked_seconds_ += seconds_since(backend_, start);
 }
 
 ManagerStats ResidencyManager::stats() const {

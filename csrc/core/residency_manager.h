@@ -258,10 +258,13 @@ class ResidencyManager final : public Evictor {
   // runs the copy]).
   EventPtr copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once = false);
   size_t release_device_copy(ResidencyEntry* entry, Stream stream);
+  // Waits for a copy, counting the wait in blocked_seconds_ (Note [Replay
+  // overhead]); returns its seconds.
+  double wait_blocked(const EventPtr& event);
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
-  // The largest forward request the background copies should cover from
+  // The largest eviction request the background copies should cover from
   // here on (Note [Requests to come]).
   size_t request_to_cover() const;
   // The budget, or the device's memory when that is smaller: what the

@@ -152,9 +152,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
 
 size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   if (entry->state_ == Residency::swapping_out) {
-    auto start = backend_.clock_now();
-    entry->copy_event_->wait();
-    blocked_seconds_ += std::chrono::duration<double>(backend_.clock_now() - start).count();
+    wait_blocked(entry->copy_event_);
     finish_copy(entry);
   }
   entry->drop_device_copy();

@@ -27,8 +27,8 @@ import torch
 from . import costs
 from .trace import Trace
 
-__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "host_seconds", "backward_start_seconds", "managed_tensors", "release_points", "replay_closures",
-           "replay_costs", "compile_program"]
+__all__ = ["Program", "Code", "STRATEGIES", "op_durations", "host_seconds", "backward_start_seconds",
+           "managed_tensors", "release_points", "replay_closures", "replay_costs", "compile_program"]
 
 # Replays deeper than this many unmanaged producers are not offered (as the
 # runtime's lineage replay, python/membudget/replay.py, refuses deep ones).
@@ -210,9 +210,17 @@ def replay_costs(trace: Trace, durations: Sequence[float], managed: Sequence[int
     return costs
 
 
-def _in_pack_order(trace: Trace, managed: Sequence[int]) -> List[int]:
-    """``managed`` in the order autograd packed them (first pack of each),
-    then the never-packed ones by id.
+def _first_packs(trace: Trace) -> Dict[int, int]:
+    """Each packed tensor's first place in ``Trace.pack_order``."""
+    first: Dict[int, int] = {}
+    for k, tid in enumerate(trace.pack_order):
+        first.setdefault(tid, k)
+    return first
+
+
+def _in_pack_order(managed: Sequence[int], first_pack: Dict[int, int]) -> List[int]:
+    """``managed`` in the order autograd packed them (``first_pack``,
+    :func:`_first_packs`), then the never-packed ones in their given order.
 
     Note [Pack order]: the instructions before one op run in the order they
     were added, so the managed tensors' order is the order of their packs
@@ -224,15 +232,7 @@ def _in_pack_order(trace: Trace, managed: Sequence[int]) -> List[int]:
     of each, its background copy-outs and its victims differed: at GPT-2 80%
     of the CPU validation one 8 MiB copy-out per step the real run had
     finished in the background was synchronous in the simulation."""
-    wanted = set(managed)
-    ordered: List[int] = []
-    seen = set()
-    for tid in trace.pack_order:
-        if tid in wanted and tid not in seen:
-            seen.add(tid)
-            ordered.append(tid)
-    ordered.extend(tid for tid in managed if tid not in seen)
-    return ordered
+    return sorted(managed, key=lambda tid: first_pack.get(tid, float("inf")))  # stable: ties keep their order
 
 
 def _checkpoint_plan(trace: Trace, managed: Sequence[int]):
@@ -279,7 +279,8 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
             prog.emit(Code.ALLOC, t.id)
     prog.prologue_length = len(prog.codes)
 
-    managed = _in_pack_order(trace, managed_tensors(trace, min_tensor_bytes)) if strategy != "none" else []
+    first_pack = _first_packs(trace)
+    managed = _in_pack_order(managed_tensors(trace, min_tensor_bytes), first_pack) if strategy != "none" else []
     points = {tid: release_points(trace, tid) for tid in managed}
     before: List[List[tuple]] = [[] for _ in range(n + 1)]   # instructions before op i
     after: List[List[tuple]] = [[] for _ in range(n)]        # instructions after op i
@@ -307,9 +308,6 @@ def compile_program(trace: Trace, durations: Sequence[float], strategy: str, min
     # between them (Note [Released by the step] in membudget.tracer), each
     # keyed by its place among the packs.
     returning: List[List[tuple]] = [[] for _ in range(n + 1)]
-    first_pack = {}
-    for k, tid in enumerate(trace.pack_order):
-        first_pack.setdefault(tid, k)
     for tid, p in points.items():
         if strategy not in pack_code:
             continue
