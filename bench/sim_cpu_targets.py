@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import mmap
 import sys
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def cached_device(cache: Path) -> costs.DeviceModel:
         path.write_text(json.dumps(dataclasses.asdict(costs.device_model("cpu-host"))))
     fields = json.loads(path.read_text())
     fields.setdefault("copies_ahead", False)  # kept before the field existed: cpu-host never copies ahead
+    if fields.get("page_bytes") == mmap.PAGESIZE:
+        fields["page_bytes"] = 0  # kept before Note [Host pages]: the host backend's page for each budget
     return costs.DeviceModel(**fields)
 
 

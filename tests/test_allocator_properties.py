@@ -53,7 +53,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.backend = core.HostBackend()
         self.allocator = core.CachingAllocator(self.backend, budget, expandable_segments=self.EXPANDABLE)
         assert self.allocator.expandable_segments == self.EXPANDABLE
-        self.page = self.backend.page_bytes()
         self.budget = budget
         self.reserved_ceiling = budget  # see check_reserved_within_budget
         # address -> (size, requested, stream, recorded streams). Rules pick
@@ -161,21 +160,29 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if len(s["blocks"]) == 1 and not s["blocks"][0]["allocated"]
                 and not s["blocks"][0]["awaiting_events"]]
 
+    def page(self):
+        """The page of the expandable segments: the one they have, or the one
+        the next is reserved with (Note [Host pages])."""
+        return self.allocator.segment_page_bytes or self.backend.segment_page_bytes(self.budget)
+
     def pinned_bytes(self):
         """Bytes of the pages that live and awaiting blocks touch: what must
-        stay mapped in expandable segments."""
+        stay mapped in expandable segments (each in its segment's page: a
+        retired segment keeps its own, Note [Host pages])."""
+        segments = [(s["address"], s["size"], s["page_bytes"]) for s in self.allocator.snapshot()]
         pages = set()
         spans = [(a, v[0]) for a, v in self.live.items()] + [(a, v[0]) for a, v in self.awaiting.items()]
         for address, size in spans:
-            pages.update(range(address // self.page, (address + size - 1) // self.page + 1))
-        return len(pages) * self.page
+            page = next(p for start, length, p in segments if start <= address < start + length)
+            pages.update((page, index) for index in range(address // page, (address + size - 1) // page + 1))
+        return sum(page for page, _ in pages)
 
     def reservable_without_eviction(self):
         """What rung 2 or 3 must be able to reserve: the budget left plus free
         segments; with expandable segments, the budget left by pinned pages,
         less the two partial pages a request may straddle."""
         if self.EXPANDABLE:
-            return max(0, self.budget - self.pinned_bytes() - 2 * self.page)
+            return max(0, self.budget - self.pinned_bytes() - 2 * self.page())
         reserved = self.allocator.stats()["reserved_current"]
         releasable = sum(s["size"] for s in self.whole_free_segments())
         return max(0, self.budget - (reserved - releasable))

@@ -37,6 +37,9 @@ class Backend {
   //
   // The granularity of map_pages/unmap_pages; 0 when not supported.
   virtual size_t page_bytes() const { return 0; }
+  // The page an allocator with `budget_bytes` cuts its expandable segments
+  // into: a multiple of page_bytes() (Note [Host pages] in host_backend.h).
+  virtual size_t segment_page_bytes(size_t /*budget_bytes*/) const { return page_bytes(); }
   // Reserves `bytes` (a multiple of page_bytes()) of address space with no
   // memory behind it; nullptr when refused.
   virtual void* reserve_address_range(size_t /*bytes*/) { return nullptr; }

@@ -57,6 +57,9 @@ struct CachingAllocator::Impl {
     Block* head;
     size_t size;
     std::unique_ptr<ExpandableSegment> expandable;  // null for a fixed segment
+    // An expandable segment whose page the budget no longer wants (Note
+    // [Host pages]): no tail to grow into, released once nothing in it lives.
+    bool retired = false;
   };
 
   Backend& backend;
@@ -67,6 +70,11 @@ struct CachingAllocator::Impl {
   const bool expandable;
   mutable std::mutex mutex;
   size_t budget;
+  // The page of the expandable segments (Note [Host pages]), chosen for the
+  // budget when the first of them is reserved: pages move between segments,
+  // so all share one size until release_free_segments has released them all.
+  size_t segment_page = 0;
+  size_t fixed_segment_page = 0;  // the constructor's segment_page_bytes
   // Bytes in segments. Atomic so that the budget check reads as RMM's:
   // reserve with fetch_add, undo on failure.
   std::atomic<size_t> reserved_bytes{0};
@@ -294,7 +302,11 @@ struct CachingAllocator::Impl {
   Block* new_expandable_segment(BlockPool& pool, Stream stream, size_t size) {
     const auto key = std::make_pair(static_cast<const BlockPool*>(&pool), stream);
     if (expandable_segments.count(key) != 0) return nullptr;
-    auto segment = std::make_unique<ExpandableSegment>(backend, kAddressHeadroom * std::max(backend.device_capacity(), size));
+    if (expandable_segments.empty()) {
+      segment_page = fixed_segment_page != 0 ? fixed_segment_page : backend.segment_page_bytes(budget);
+    }
+    auto segment = std::make_unique<ExpandableSegment>(backend, kAddressHeadroom * std::max(backend.device_capacity(), size),
+                                                       segment_page);
     if (segment->base() == nullptr) return nullptr;
     auto* block = new Block(segment->base(), segment->size(), stream, &pool);
     block->expandable = segment.get();
@@ -369,7 +381,7 @@ struct CachingAllocator::Impl {
     size_t released = 0;
     for (BlockPool* pool : {&small_pool, &large_pool}) {
       for (Block* block : pool->free_blocks()) {
-        if (block->expandable != nullptr) {
+        if (block->expandable != nullptr && !block->spans_segment()) {
           released += block->expandable->unmap_inside(block->ptr, block->size);
         } else if (block->spans_segment()) {
           releasable.push_back(block);
@@ -380,15 +392,71 @@ struct CachingAllocator::Impl {
     stats.unmapped_bytes_total += released;
     for (Block* block : releasable) {
       block->pool->erase(block);
+      // A wholly free expandable segment goes too (its destructor unmaps its
+      // pages and gives its range back): the next one is reserved with the
+      // page for the budget of then (Note [Host pages]).
+      size_t freed = block->size;
+      if (block->expandable != nullptr) {
+        freed = block->expandable->mapped_bytes();
+        if (!segments.at(reinterpret_cast<uintptr_t>(block->ptr)).retired) {
+          expandable_segments.erase(std::make_pair(static_cast<const BlockPool*>(block->pool), block->stream));
+        }
+      } else {
+        upstream_free(block->ptr, block->size);
+      }
       segments.erase(reinterpret_cast<uintptr_t>(block->ptr));
-      upstream_free(block->ptr, block->size);
-      reserved_bytes.fetch_sub(block->size);
-      stats.unmapped_bytes_total += block->size;
+      reserved_bytes.fetch_sub(freed);
+      stats.unmapped_bytes_total += freed;
       --stats.num_segments;
-      released += block->size;
+      released += freed;
       delete block;
     }
     return released;
+  }
+
+  // Note [Host pages]: a new budget that wants another page releases the
+  // expandable segments with nothing live in them, and retires the others:
+  // their free tail (the never-mapped range new blocks would grow into) is
+  // unmapped and cut off, so the next request that finds no free block
+  // reserves a new segment with the new page, while their free fragments
+  // still serve requests that fit. Without this, one small tensor kept alive
+  // across install() calls in a process (the tests) pinned the page of a
+  // 4 GiB budget (2 MiB) on later budgets of 9-27 MiB, which then ran out of
+  // memory in straddled pages.
+  void change_segment_page(size_t page) {
+    release_free_segments();
+    for (auto& entry : segments) {
+      Segment& segment = entry.second;
+      if (segment.expandable == nullptr || segment.retired) continue;
+      segment.retired = true;
+      Block* tail = segment.head;
+      while (tail->next != nullptr) tail = tail->next;
+      expandable_segments.erase(std::make_pair(static_cast<const BlockPool*>(tail->pool), tail->stream));
+      if (tail == segment.head || !tail->is_free()) continue;
+      // The tail's part of a page it shares with the block before stays, as
+      // a free block: the segment's blocks then cover its mapped pages.
+      ExpandableSegment& range = *segment.expandable;
+      const size_t into_page = static_cast<size_t>(tail->ptr - range.base()) % range.page_bytes();
+      const size_t kept = into_page == 0 ? 0 : std::min(tail->size, range.page_bytes() - into_page);
+      BlockPool& pool = *tail->pool;
+      pool.erase(tail);
+      if (kept == tail->size) {
+        pool.insert(tail);
+        continue;
+      }
+      Block* cut = tail;
+      if (kept > 0) {
+        cut = pool.split(tail, kept);
+        pool.insert(tail);
+      }
+      const size_t released = range.unmap_inside(cut->ptr, cut->size);
+      reserved_bytes.fetch_sub(released);
+      stats.unmapped_bytes_total += released;
+      cut->prev->next = nullptr;
+      segment.size = static_cast<size_t>(cut->ptr - segment.head->ptr);  // what its blocks cover
+      delete cut;
+    }
+    segment_page = page;
   }
 
   // Bytes in free blocks that are backed by memory (an expandable segment's
@@ -412,8 +480,15 @@ struct CachingAllocator::Impl {
 };
 
 CachingAllocator::CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
-                                   std::string name, bool expandable_segments)
-    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name), expandable_segments)) {}
+                                   std::string name, bool expandable_segments, size_t segment_page_bytes)
+    : impl_(std::make_unique<Impl>(backend, kind, budget_bytes, std::move(name), expandable_segments)) {
+  const size_t unit = backend.page_bytes();
+  if (segment_page_bytes != 0 && (unit == 0 || segment_page_bytes % unit != 0)) {
+    throw std::invalid_argument("membudget: segment_page_bytes " + std::to_string(segment_page_bytes) +
+                                " is not a multiple of the backend's page (" + std::to_string(unit) + " bytes)");
+  }
+  impl_->fixed_segment_page = segment_page_bytes;
+}
 
 CachingAllocator::~CachingAllocator() {
   for (auto& entry : impl_->segments) {
@@ -559,10 +634,20 @@ void CachingAllocator::set_budget(size_t budget_bytes) {
   impl_->budget = budget_bytes;
   impl_->stats.budget = budget_bytes;
   impl_->process_awaiting();
-  if (impl_->reserved_bytes.load() > budget_bytes) impl_->release_free_segments();
+  const size_t page = impl_->backend.segment_page_bytes(budget_bytes);
+  if (!impl_->expandable_segments.empty() && impl_->fixed_segment_page == 0 && page != impl_->segment_page) {
+    impl_->change_segment_page(page);  // Note [Host pages]
+  } else if (impl_->reserved_bytes.load() > budget_bytes) {
+    impl_->release_free_segments();
+  }
 }
 
 bool CachingAllocator::expandable_segments() const { return impl_->expandable; }
+
+size_t CachingAllocator::segment_page_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->expandable_segments.empty() ? 0 : impl_->segment_page;
+}
 
 size_t CachingAllocator::budget() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -689,6 +774,8 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     segment.size = entry.second.size;
     segment.expandable = entry.second.expandable != nullptr;
     segment.mapped_bytes = segment.expandable ? entry.second.expandable->mapped_bytes() : entry.second.size;
+    segment.page_bytes = segment.expandable ? entry.second.expandable->page_bytes() : 0;
+    segment.retired = entry.second.retired;
     segment.small_pool = entry.second.head->pool->is_small();
     for (const Block* block = entry.second.head; block != nullptr; block = block->next) {
       BlockInfo info;

@@ -86,6 +86,8 @@ struct SegmentInfo {
   size_t size = 0;          // address range; for an expandable segment, reserved
   size_t mapped_bytes = 0;  // backed by memory: size, except in expandable ones
   bool expandable = false;
+  size_t page_bytes = 0;    // an expandable segment's page (Note [Host pages])
+  bool retired = false;     // an expandable segment the budget's page replaced
   bool small_pool = false;
   std::vector<BlockInfo> blocks;  // in address order, covering the segment
 };
@@ -108,8 +110,11 @@ class CachingAllocator {
   // `name` appears in error messages ("device", "host tier").
   // `expandable_segments` asks for expandable segments; it takes effect for
   // device memory on a backend with page_bytes() > 0 (expandable_segments()).
+  // `segment_page_bytes` fixes their page (a multiple of backend.page_bytes(),
+  // else invalid_argument); 0 lets the backend choose it for the budget
+  // (Note [Host pages]).
   CachingAllocator(Backend& backend, MemoryKind kind, size_t budget_bytes,
-                   std::string name, bool expandable_segments = false);
+                   std::string name, bool expandable_segments = false, size_t segment_page_bytes = 0);
   ~CachingAllocator();  // returns all segments to the backend
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
@@ -128,9 +133,13 @@ class CachingAllocator {
 
   // Whether this allocator uses expandable segments.
   bool expandable_segments() const;
+  // The page of its expandable segments (Note [Host pages]); 0 while it has
+  // none (the next is reserved with the backend's page for the budget then).
+  size_t segment_page_bytes() const;
 
   // Returns cached free segments to the backend (and unmaps the free pages of
-  // expandable segments); returns bytes released.
+  // expandable segments, or the whole of one that is all free); returns
+  // bytes released.
   size_t release_cached();
   // Changing the budget below current reserved bytes releases cached segments
   // first; it does not fail, later allocations must evict to fit.

@@ -5,8 +5,21 @@
 
 namespace membudget {
 
-ExpandableSegment::ExpandableSegment(Backend& backend, size_t bytes)
-    : backend_(backend), page_(backend.page_bytes()) {
+namespace {
+
+// `wanted` when it is a whole number of the backend's pages (0: the backend's
+// page); 0, which leaves the segment unreserved, otherwise.
+size_t checked_page(const Backend& backend, size_t wanted) {
+  const size_t unit = backend.page_bytes();
+  if (unit == 0) return 0;
+  if (wanted == 0) return unit;
+  return wanted % unit == 0 ? wanted : 0;
+}
+
+}  // namespace
+
+ExpandableSegment::ExpandableSegment(Backend& backend, size_t bytes, size_t page_bytes)
+    : backend_(backend), page_(checked_page(backend, page_bytes)) {
   if (page_ == 0) return;
   size_ = (bytes + page_ - 1) / page_ * page_;
   base_ = static_cast<char*>(backend_.reserve_address_range(size_));
@@ -145,6 +158,7 @@ ExpandableSegment::PageRuns ExpandableSegment::mapped_runs_inside(const char* pt
 bool ExpandableSegment::move(ExpandableSegment& from, size_t from_page, ExpandableSegment& to, size_t to_page,
                              size_t count) {
   const size_t page = from.page_;
+  if (page != to.page_) return false;  // pages of different sizes do not pair up
   if (!from.backend_.move_pages(from.base_ + from_page * page, to.base_ + to_page * page, count * page)) return false;
   from.set_mapped(from_page, from_page + count, false);
   from.mapped_pages_ -= count;

@@ -21,9 +21,10 @@ namespace membudget {
 
 class ExpandableSegment {
  public:
-  // Reserves `bytes` (rounded up to whole pages) from `backend`; check
-  // base() for nullptr (the backend refused).
-  ExpandableSegment(Backend& backend, size_t bytes);
+  // Reserves `bytes` (rounded up to whole pages of `page_bytes`, a multiple
+  // of backend.page_bytes(); 0: that) from `backend`; check base() for
+  // nullptr (the backend refused).
+  ExpandableSegment(Backend& backend, size_t bytes, size_t page_bytes = 0);
   // Unmaps every mapped page and gives the range back.
   ~ExpandableSegment();
   ExpandableSegment(const ExpandableSegment&) = delete;

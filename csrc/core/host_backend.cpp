@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -307,9 +308,33 @@ size_t HostBackend::page_bytes() const {
   return page;
 }
 
+size_t HostBackend::segment_page_bytes(size_t budget_bytes) const {
+  return segment_page_for(budget_bytes, device_capacity());
+}
+
+size_t HostBackend::segment_page_for(size_t budget_bytes, size_t capacity_bytes) {
+  // Note [Host pages]. No budget (none below the device's memory): nothing
+  // but the device's end makes rung 3 move pages, so the kernel's page, the
+  // finest, as a budget of a few MiB gets.
+  const size_t capacity = capacity_bytes == 0 ? physical_memory_bytes() : capacity_bytes;
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGE_SIZE));
+  if (budget_bytes >= capacity) return page;
+  while (page < kMaxSegmentPageBytes && page * 2 * kSegmentPagesPerBudget <= budget_bytes) page *= 2;
+  return page;
+}
+
 void* HostBackend::reserve_address_range(size_t bytes) {
-  void* base = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  return base == MAP_FAILED ? nullptr : base;
+  // Aligned to the largest segment page, so that every page of a segment
+  // (Note [Host pages]) starts at a multiple of its size: reserve one more
+  // and give back the ends.
+  const size_t align = kMaxSegmentPageBytes;
+  void* raw = mmap(nullptr, bytes + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t base = (start + align - 1) / align * align;
+  if (base > start) munmap(raw, base - start);
+  if (start + align > base) munmap(reinterpret_cast<void*>(base + bytes), start + align - base);
+  return reinterpret_cast<void*>(base);
 }
 
 void HostBackend::release_address_range(void* base, size_t bytes) {

@@ -45,7 +45,37 @@ class HostBackend final : public Backend {
   // are replaced by anonymous read-write memory when mapped, and by a fresh
   // PROT_NONE mapping (which returns the memory to the OS) when unmapped.
   // Mapped pages count against the capacity like device_alloc.
+  //
+  // Note [Host pages]: the allocator's expandable segments use pages of
+  // about budget / kSegmentPagesPerBudget (a power of two from the kernel's
+  // 4 KiB up to 2 MiB, CUDA's granularity), not the kernel's page. A page
+  // moved by mremap (Note [Page recycling]) stays one kernel mapping that
+  // never merges with its neighbours (its anonymous-memory links and page
+  // offset come from where it was), so with 4 KiB pages the mappings only
+  // multiplied as moves shuffled the pages: at the CNN at 70% of its peak
+  // (37 MiB budget, 50 MiB of pages moved per step) 492 mappings grew to
+  // 4480 in 110 steps while the step went from 130 to 180 ms in growing
+  // kernel time (mremap, anon_vma trees, TLB shootdowns), and a longer or
+  // larger run would reach vm.max_map_count (65530), where mmap fails. With
+  // 64 KiB pages there the count stays near 766 and the step near 130 ms
+  // over 60 steps (bench/RESULTS.md, "Host pages"). The cost is up to a page
+  // of straddle at a block's ends, as on a GPU; a 512th of the budget keeps
+  // that small where budgets are a few MiB (the demo's). Without a budget
+  // rung 3 does not run (short of the machine's memory): the kernel's page.
+  // The allocator chooses the page when it reserves its first expandable
+  // segment, and again when set_budget changes it (a process that installs
+  // again with another budget, as the tests do): the old segments are
+  // released, or retired where blocks still live in them.
   size_t page_bytes() const override;
+  // Note [Host pages]: a power of two from the kernel's page up to
+  // kMaxSegmentPageBytes, about budget / kSegmentPagesPerBudget; the
+  // kernel's page without a budget below the device's memory.
+  size_t segment_page_bytes(size_t budget_bytes) const override;
+  // The same for a budget on a device of `capacity_bytes` (0: this
+  // machine's memory), for the simulator's model of this backend.
+  static size_t segment_page_for(size_t budget_bytes, size_t capacity_bytes);
+  static constexpr size_t kMaxSegmentPageBytes = size_t{2} << 20;
+  static constexpr size_t kSegmentPagesPerBudget = 512;
   void* reserve_address_range(size_t bytes) override;
   void release_address_range(void* base, size_t bytes) override;
   bool map_pages(void* ptr, size_t bytes) override;

@@ -155,6 +155,8 @@ py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
     entry["size"] = segment.size;
     entry["mapped_bytes"] = segment.mapped_bytes;
     entry["expandable"] = segment.expandable;
+    entry["page_bytes"] = segment.page_bytes;
+    entry["retired"] = segment.retired;
     entry["small_pool"] = segment.small_pool;
     entry["blocks"] = blocks;
     result.append(entry);
@@ -210,6 +212,10 @@ void bind_events_and_backends(py::module_& core) {
       .def("host_free", [](HostBackend& b, uintptr_t p, size_t n) { b.host_free(to_pointer(p), n); })
       .def("device_bytes_in_use", &HostBackend::device_bytes_in_use)
       .def("page_bytes", &HostBackend::page_bytes)
+      .def("segment_page_bytes", &HostBackend::segment_page_bytes, py::arg("budget_bytes"))
+      .def_static("segment_page_for", &HostBackend::segment_page_for, py::arg("budget_bytes"),
+                  py::arg("capacity_bytes") = 0,
+                  "The page of expandable segments under a budget (Note [Host pages]).")
       // Note [Expandable segments] calls, for bench/bench_page_moves.py.
       .def("reserve_address_range", [](HostBackend& b, size_t n) { return to_address(b.reserve_address_range(n)); })
       .def("release_address_range",
@@ -285,13 +291,15 @@ void bind_allocator(py::module_& core) {
   py::class_<CachingAllocator>(core, "CachingAllocator",
                                "PyTorch-style caching allocator bounded by a budget on reserved bytes.")
       .def(py::init([](Backend& backend, size_t budget_bytes, const std::string& name,
-                       const std::string& kind, bool expandable_segments) {
+                       const std::string& kind, bool expandable_segments, size_t segment_page_bytes) {
              return std::make_unique<CachingAllocator>(backend, parse_kind(kind), budget_bytes, name,
-                                                       expandable_segments);
+                                                       expandable_segments, segment_page_bytes);
            }),
            py::arg("backend"), py::arg("budget_bytes"), py::arg("name") = "device",
-           py::arg("kind") = "device", py::arg("expandable_segments") = false, py::keep_alive<1, 2>())
+           py::arg("kind") = "device", py::arg("expandable_segments") = false,
+           py::arg("segment_page_bytes") = 0, py::keep_alive<1, 2>())
       .def_property_readonly("expandable_segments", &CachingAllocator::expandable_segments)
+      .def_property_readonly("segment_page_bytes", &CachingAllocator::segment_page_bytes)
       .def("allocate",
            [](CachingAllocator& a, size_t bytes, uintptr_t s) {
              return to_address(a.allocate(bytes, to_stream(s)));

@@ -107,6 +107,7 @@ py::dict memory_stats() {
   d["num_ooms"] = a.num_ooms;
   d["num_segments"] = a.num_segments;
   d["expandable_segments"] = runtime->device_allocator().expandable_segments();
+  d["segment_page_bytes"] = runtime->device_allocator().segment_page_bytes();
   d["mapped_bytes_total"] = a.mapped_bytes_total;
   d["unmapped_bytes_total"] = a.unmapped_bytes_total;
   d["moved_bytes_total"] = a.moved_bytes_total;

@@ -87,7 +87,8 @@ class DeviceModel:
     #: bandwidth (and a core of two) from the compute thread.
     compute_copy_share: float = 1.0
     #: The granularity of expandable segments' pages: a GPU's physical
-    #: allocation granularity, or the OS page on the host backend.
+    #: allocation granularity; 0 for the host backend's, which depends on the
+    #: budget (Note [Host pages] in csrc/core/host_backend.h).
     page_bytes: int = 2 << 20
     #: Whether the runtime copies to host ahead of need on this device (Note
     #: [Copies ahead where copies are free]): on a GPU's copy engines, not
@@ -196,7 +197,7 @@ def calibrate_cpu_host() -> DeviceModel:
         flops_per_s={"fp32": flop_rate, "bf16": flop_rate / 4, "fp16": flop_rate / 4,
                      "fp64": flop_rate / 2, "int": flop_rate / 2},
         memory_bytes_per_s=2 * copy_rate, link_bytes_per_s=link_rate, launch_s=launch, note=note,
-        link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=mmap.PAGESIZE,
+        link_duplex_share=link["duplex_share"] if link else 1.0, page_bytes=0,
         link_latency_s=link["latency_s"] if link else 0.0,
         link_compute_share=link["compute_share"] if link else 1.0, copies_ahead=False,
         link_rate_by_size=link["rate_by_size"] if link else (),

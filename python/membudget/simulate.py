@@ -101,9 +101,21 @@ def _replay(trace: Trace, durations, strategy: str, policy: str, budget: int, ca
         log_decisions=_log_decisions(), expandable_segments=expandable_segments,
         recompute_ahead=recompute_ahead, side_stream_overlap=side_stream_overlap, record_timeline=record_timeline,
         link_duplex_share=device.link_duplex_share, link_compute_share=device.link_compute_share,
-        link_latency_s=device.link_latency_s, page_bytes=device.page_bytes, copies_ahead=device.copies_ahead,
+        link_latency_s=device.link_latency_s, page_bytes=_segment_page(device, budget, capacity),
+        copies_ahead=device.copies_ahead,
         link_rate_by_size=[(float(size), float(rate)) for size, rate in device.link_rate_by_size],
         compute_copy_share=device.compute_copy_share)
+
+
+def _segment_page(device: costs.DeviceModel, budget: int, capacity: int) -> int:
+    """The page of the modelled expandable segments: the device model's, or
+    (``page_bytes`` 0, the ``cpu-host`` model) the host backend's for this
+    budget (Note [Host pages])."""
+    if device.page_bytes:
+        return device.page_bytes
+    from ._native import load_extension
+
+    return int(load_extension().core.HostBackend.segment_page_for(budget, capacity))
 
 
 def _log_decisions() -> bool:

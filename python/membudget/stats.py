@@ -33,7 +33,9 @@ def memory_stats() -> Dict[str, float]:
     candidates), plus residency by state
     (``resident_bytes``, ``host_bytes``, ``evictable_bytes``, ``in_use_bytes``)
     ``live_handles``, ``expandable_segments`` (whether device memory comes in
-    expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``), the bytes
+    expandable segments, ``MEMBUDGET_EXPANDABLE_SEGMENTS``), ``segment_page_bytes``
+    (their page: the device's granularity on CUDA, a 512th of the budget on
+    the CPU; 0 while none is reserved), the bytes
     obtained from and given back to the device (``mapped_bytes_total`` /
     ``unmapped_bytes_total``: pages, or fixed segments) and the bytes of pages
     moved to where a request needed them (``moved_bytes_total``) since the
