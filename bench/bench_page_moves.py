@@ -103,8 +103,9 @@ def main() -> int:
         budget = args.churn_mib * MiB
         print(f"{args.churn_rounds} rounds of churn under a {args.churn_mib} MiB budget (Note [Host pages]):")
         print(f"  {'page':>10}  {'ms/round, first tenth':>21}  {'last tenth':>10}  {'kernel mappings left':>20}")
-        for segment_page in (page, core.HostBackend.segment_page_for(budget)):
-            first, last, mappings = churn(budget, segment_page, args.churn_rounds)
+        pages = (page, core.HostBackend.segment_page_for(budget))
+        for segment_page in pages:
+            first, last, mappings = churn(budget, segment_page, args.churn_rounds, straddle=2 * max(pages))
             print(f"  {segment_page // 1024:>6} KiB  {first:21.2f}  {last:10.2f}  {mappings:20d}")
     if args.train:
         model, _, percent = args.train.partition(":")
@@ -146,10 +147,12 @@ def kernel_mappings() -> int:
         return sum(1 for _ in maps)
 
 
-def churn(budget: int, segment_page: int, rounds: int):
+def churn(budget: int, segment_page: int, rounds: int, straddle: int):
     """``rounds`` rounds under ``budget``: small blocks up to the budget, a
     random half freed, larger blocks into the holes (pages move at rung 3),
-    all freed. Returns the median milliseconds per round of the first and of
+    all freed. Each block counts ``straddle`` bytes more against the budget
+    (the pages its ends may share), so both page sizes make the same
+    requests. Returns the median milliseconds per round of the first and of
     the last tenth of the rounds, and the kernel mappings the allocator's
     segments added."""
     before = kernel_mappings()
@@ -162,9 +165,9 @@ def churn(budget: int, segment_page: int, rounds: int):
         blocks, used = [], 0
         for low, high in ((64, 1024), (1024, 3072)):
             size = rng.randrange(low, high) * 1024
-            while used + size <= budget - 2 * MiB:
-                blocks.append((allocator.allocate(size), size))
-                used += size
+            while used + size + straddle <= budget - 2 * MiB:
+                blocks.append((allocator.allocate(size), size + straddle))
+                used += size + straddle
                 size = rng.randrange(low, high) * 1024
             if low == 64:
                 rng.shuffle(blocks)
