@@ -98,9 +98,15 @@ def test_no_replay_ahead_where_backward_had_to_evict():
                                   recompute_ahead=ahead, side_stream_overlap=0.0)
 
     offs, ons = run(False), run(True)
+    # At most one replay in a hundred more: since backward's evictions that
+    # one victim serves move where its pressure ends (Note [Pressure end
+    # without a mark]) delta replays 180 times at 40% without replays ahead
+    # (188 before) and 181 with them (one entry rebuilt ahead is dropped
+    # again where the first iteration saw no pressure), 277.7 against
+    # 277.3 ms; the rule this guards against cost 42 more and 7.8%.
     for off, on in zip(offs, ons):
         assert off.feasible and on.feasible
-        assert on.recompute_count <= off.recompute_count, "replays ahead made backward drop more"
-        assert on.step_s <= off.step_s * (1 + 1e-9)
+        assert on.recompute_count <= off.recompute_count * 1.01, "replays ahead made backward drop more"
+        assert on.step_s <= off.step_s * 1.002
     # Where memory stays free until the use (60%), replays still go ahead.
     assert ons[0].recomputed_ahead_count > 0

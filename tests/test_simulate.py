@@ -734,6 +734,37 @@ def test_waits_inside_a_replay_are_not_replay_overhead():
     assert r["total_s"] == pytest.approx(2.21)
 
 
+def test_an_eviction_that_fits_in_one_victim_moves_where_pressure_ends():
+    # Note [Pressure end without a mark], the allocator-aware first pass.
+    # Forward saves C, B, A (100 MiB each; replays in 0.03, 0.02, 0.01 s)
+    # and a small W. Backward unpacks W; a 100 MiB temporary (E1) must drop
+    # one; then A is unpacked and a 200 MiB temporary (E2) needs room; then
+    # B and C. Both requests are served by one victim whose block fits them
+    # (the first pass), and such an eviction is pressure like any other: the
+    # first iteration moves the end of pressure to E2, so at the second
+    # one's E1 memory is known to stay short until E2, and delta drops B
+    # (needed after E2), which leaves room for E2: one replay, 0.02 s.
+    # Without it backward would look free of pressure from E1 on: delta
+    # would drop A, the cheapest, needed at once, and E2 would drop B too:
+    # 0.03 s.
+    prog = Program(tensor_bytes=[100 * MiB, 100 * MiB, 100 * MiB, 10 * MiB, 100 * MiB, 200 * MiB])
+    # C, B, A, W, E1's temporary, E2's temporary
+    prog.replay_seconds = [0.03, 0.02, 0.01, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 7
+    for t in (0, 1, 2, 3):
+        _save(prog, t, 0.1)
+    _use(prog, 3, 0.1)
+    _temporary(prog, 4, 0.1)
+    _use(prog, 2, 0.1)
+    _temporary(prog, 5, 0.1)
+    for t in (1, 0):
+        _use(prog, t, 0.1)
+    r = _recompute_only_replay(prog, 320 * MiB)
+    assert r["feasible"]
+    assert (r["eviction_count"], r["recompute_count"]) == (1, 1)
+    assert r["recompute_s"] == pytest.approx(0.02)
+
+
 def test_delta_weighs_only_the_bytes_a_request_misses():
     # Note [Bytes a request needs]. Forward saves L (100 MiB, replays in
     # 0.02 s), S (40 MiB, 0.01 s) and a small W. Backward unpacks W, then a

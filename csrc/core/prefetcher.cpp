@@ -23,6 +23,10 @@ void UnpackOrder::note_pressure() {
   last_pressure_ = std::max(last_pressure_, static_cast<int64_t>(position));
 }
 
+void UnpackOrder::note_pressure_end() {
+  last_pressure_ = std::max(last_pressure_, static_cast<int64_t>(current_.size()));
+}
+
 bool UnpackOrder::pressure_between(int64_t from, int64_t to) const {
   if (pressure_prefix_.size() < 2 || to < from) return false;
   const int64_t last = static_cast<int64_t>(pressure_prefix_.size()) - 1;  // positions [0, last)

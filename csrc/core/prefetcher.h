@@ -34,6 +34,10 @@ class UnpackOrder {
   // made because a range looked free cannot, by filling it, hide the
   // pressure it caused from the next iteration and oscillate.
   void note_pressure();
+  // Only moves where pressure ends (last_pressure_position), for an
+  // eviction that leaves no mark for replays ahead (Note [Pressure end
+  // without a mark] in residency_manager.cpp).
+  void note_pressure_end();
   // Whether any position in [from, to] was ever marked.
   bool pressure_between(int64_t from, int64_t to) const;
   // The last position ever marked (-1: none): where backward's pressure

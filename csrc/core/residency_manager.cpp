@@ -359,13 +359,23 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
         if (device_.usable_range_at(block) < bytes_needed) continue;
         size_t bytes = release_device_copy(c.entry, stream);
         if (bytes == 0) continue;
-        // It fits now: nothing else needs to go. Returned before the end,
-        // such an eviction leaves no mark of backward's pressure (Note
-        // [Eviction pressure]). Marking it was measured (session 15 in
-        // bench/RESULTS.md): real CNN at 50% on the CPU 26.5 -> 24.0 MiB out
-        // per step, but BERT at 40% on h200 (recompute only) then replayed
-        // one entry ahead that backward dropped again, against the rule
-        // test_no_replay_ahead_where_backward_had_to_evict guards.
+        // It fits now: nothing else needs to go.
+        //
+        // Note [Pressure end without a mark]: such an eviction is backward's
+        // pressure too, and where pressure ends moves past it (Note
+        // [Pressure horizon]); without that, backward's large requests that
+        // one victim covered left no trace, and at the CNN at 50% on the
+        // CPU delta took pressure to end five unpacks ahead at backward's
+        // first 512 KiB requests, and copied out 1 MiB activations needed
+        // 9-15 unpacks later one after another where one 2 MiB one needed
+        // 35 later covered them (26 MiB out per step against dtr's 24). It
+        // leaves no mark for replays ahead (Note [Eviction pressure]):
+        // marked there too (session 15, bench/RESULTS.md), BERT at 40% on
+        // h200 (recompute only) replayed one entry ahead that backward then
+        // dropped again, which test_no_replay_ahead_where_backward_had_to_evict
+        // forbids.
+        if (unpacked_since_pack_) order_.note_pressure_end();
+        host_tier_blocked_ = false;
         return freed + bytes;
       }
     }
