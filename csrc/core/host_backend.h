@@ -57,8 +57,9 @@ class HostBackend final : public Backend {
   // 4480 in 110 steps while the step went from 130 to 180 ms in growing
   // kernel time (mremap, anon_vma trees, TLB shootdowns), and a longer or
   // larger run would reach vm.max_map_count (65530), where mmap fails. With
-  // 64 KiB pages there the count stays near 766 and the step near 130 ms
-  // over 60 steps (bench/RESULTS.md, "Host pages"). The cost is up to a page
+  // 64 KiB pages there the count stays near 766 and the step between 128
+  // and 140 ms over 120 steps, no trend (bench/RESULTS.md, "Host pages"; fixed
+  // segments, which move nothing, 126-131 ms). The cost is up to a page
   // of straddle at a block's ends, as on a GPU; a 512th of the budget keeps
   // that small where budgets are a few MiB (the demo's). Without a budget
   // rung 3 does not run (short of the machine's memory): the kernel's page.
