@@ -72,7 +72,8 @@ struct CachingAllocator::Impl {
   size_t budget;
   // The page of the expandable segments (Note [Host pages]), chosen for the
   // budget when the first of them is reserved: pages move between segments,
-  // so all share one size until release_free_segments has released them all.
+  // so the current ones share one size; a budget that wants another page
+  // retires them (change_segment_page), and retired ones keep theirs.
   size_t segment_page = 0;
   size_t fixed_segment_page = 0;  // the constructor's segment_page_bytes
   // Bytes in segments. Atomic so that the budget check reads as RMM's:

@@ -117,7 +117,13 @@ class RunSpec:
     :func:`membudget.install` (``None``: the library's default; ``recompute_ahead``
     ``"immediate"`` is on, with the CPU replaying ahead at the prefetch point
     rather than during copy waits: Note [Recompute ahead timing]); ``threads`` sets torch's intra-op
-    threads (``None``: torch's default). Fields added later default to
+    threads (``None``: torch's default). ``alternate_policies`` (``managed``
+    only) runs blocks of ``alternate_steps`` steps with each policy in turn,
+    in this one process, by calling :func:`membudget.install` again with the
+    next one between steps (the result's ``step_policies`` says which ran
+    each step): two policies compared in one process share its memory layout
+    and machine state, which separate processes do not (Note [Policies in
+    one process] in bench/bench_recompute.py). Fields added later default to
     ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
     model: str
@@ -135,6 +141,8 @@ class RunSpec:
     host_budget: Optional[int] = None
     expandable_segments: Optional[bool] = None
     recompute_ahead: Optional[str] = None
+    alternate_policies: Optional[List[str]] = None
+    alternate_steps: Optional[int] = None
 
     def to_json(self) -> str:
         """The spec as one line of JSON, as :meth:`from_json` reads it."""
@@ -148,6 +156,10 @@ class RunSpec:
             raise ValueError(f"RunSpec.mode {spec.mode!r}: expected one of {', '.join(MODES)}")
         if spec.mode == "managed" and not spec.budget:
             raise ValueError("RunSpec: a managed run needs a budget in bytes")
+        if spec.alternate_policies is not None:
+            if spec.mode != "managed" or not spec.alternate_policies or not spec.alternate_steps \
+                    or spec.alternate_steps < 1:
+                raise ValueError("RunSpec: alternate_policies needs a managed run and alternate_steps >= 1")
         return spec
 
 
@@ -213,21 +225,22 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     membudget = None
+    install_args = dict(
+        budget=spec.budget if spec.mode == "managed" else None,
+        policy=spec.alternate_policies[0] if spec.alternate_policies else spec.policy,
+        actions=spec.actions,
+        host_budget=spec.host_budget,
+        min_tensor_bytes=spec.min_tensor_bytes,
+        prefetch_bytes=spec.prefetch_bytes,
+        expandable_segments=spec.expandable_segments,
+        recompute_ahead="on" if spec.recompute_ahead == "immediate" else spec.recompute_ahead,
+        device=device,
+    )
     if spec.mode != "plain":
         import membudget
         from membudget._native import load_extension
 
-        membudget.install(
-            budget=spec.budget if spec.mode == "managed" else None,
-            policy=spec.policy,
-            actions=spec.actions,
-            host_budget=spec.host_budget,
-            min_tensor_bytes=spec.min_tensor_bytes,
-            prefetch_bytes=spec.prefetch_bytes,
-            expandable_segments=spec.expandable_segments,
-            recompute_ahead="on" if spec.recompute_ahead == "immediate" else spec.recompute_ahead,
-            device=device,
-        )
+        membudget.install(**install_args)
         if spec.recompute_ahead == "immediate":
             load_extension().set_cpu_recompute_ahead_timing("immediate")
         gc.collect()
@@ -244,7 +257,13 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     losses: List[float] = []
     step_seconds: List[float] = []
     step_stats: List[Dict[str, Any]] = []
-    for _ in range(spec.steps):
+    step_policies: List[Optional[str]] = []
+    for step in range(spec.steps):
+        if spec.alternate_policies:
+            policy = spec.alternate_policies[(step // spec.alternate_steps) % len(spec.alternate_policies)]
+            if step > 0 and step % spec.alternate_steps == 0:
+                membudget.install(**dict(install_args, policy=policy))  # between steps: nothing is saved
+            step_policies.append(policy)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -267,6 +286,8 @@ def run_worker(spec: RunSpec, workload) -> Dict[str, Any]:
     result: Dict[str, Any] = {"spec": dataclasses.asdict(spec), "losses": losses, "step_seconds": step_seconds,
                               "median_step_s": median_step_seconds(step_seconds),
                               "threads": torch.get_num_threads()}
+    if spec.alternate_policies:
+        result["step_policies"] = step_policies
     if membudget is not None:
         stats = membudget.memory_stats()
         result["stats"] = {key: stats.get(key, 0) for key in _STAT_KEYS}

@@ -1,0 +1,150 @@
+"""``delta`` against ``dtr`` in one process: issue 3's timed target without
+the spread between processes.
+
+Note [Policies in one process]: bench_recompute.py's ``--head-to-head`` runs
+each policy in a fresh process and pairs the two of a round. On this machine
+whole processes of one configuration differ by up to 10% in step time,
+consistently through their steps (LSTM at 70%: one ``dtr`` run 117.5 ms per
+step against 108.4 and 109.6 for two others), which pairing does not remove
+and which is larger than any difference between the policies. Here each round
+is one process (bench_recompute.py's worker, one torch thread) that trains in
+blocks of ``--block-steps`` steps, the policies in turn, calling
+``membudget.install()`` again with the next policy between two steps (the
+budget, actions and everything else unchanged): both policies run on the same
+memory layout and the same machine state. The first ``--warmup`` steps and
+the first step of every block (which inherits the other policy's residency)
+are left out; each policy's step time is the median of its other steps, and
+the round's ratio is ``delta``/``dtr``. Which policy starts alternates by
+round. Every run's losses and parameters are compared with a plain run's.
+
+    PYTHONPATH=python python bench/bench_in_process.py gpt2:70,cnn:50 [--rounds 4]
+        [--blocks 3] [--block-steps 4] [--markdown bench/RESULTS.md]
+
+What it cannot show: a policy's cost that lasts beyond a block (none is
+known: the unpack order, the link's and the replays' measurements are the
+manager's, shared by both).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from membudget.harness import RunSpec, identical, spawn_worker  # noqa: E402
+
+from bench_recompute import BENCHED_MODELS, WORKER_COMMAND  # noqa: E402
+from bench_swap import machine_line  # noqa: E402
+
+MiB = 1 << 20
+POLICIES = ("delta", "dtr")
+
+
+def per_policy(result: Dict[str, Any], warmup: int, block_steps: int) -> Dict[str, Dict[str, float]]:
+    """Each policy's median step time over its measured steps (not the
+    warm-up, not a block's first), and its MiB copied out and replays per
+    measured step (from the cumulative per-step counters)."""
+    times: Dict[str, List[float]] = {p: [] for p in POLICIES}
+    out: Dict[str, List[float]] = {p: [] for p in POLICIES}
+    replays: Dict[str, List[float]] = {p: [] for p in POLICIES}
+    stats = result["step_stats"]
+    for step, (policy, seconds) in enumerate(zip(result["step_policies"], result["step_seconds"])):
+        if step < warmup or step % block_steps == 0:
+            continue
+        times[policy].append(seconds)
+        out[policy].append((stats[step]["swap_out_bytes"] - stats[step - 1]["swap_out_bytes"]) / MiB)
+        replays[policy].append(stats[step]["recompute_count"] - stats[step - 1]["recompute_count"])
+    return {p: {"step_s": statistics.median(times[p]), "out_mib": statistics.mean(out[p]),
+                "replays": statistics.mean(replays[p])} for p in POLICIES}
+
+
+def cell(model: str, fraction: float, peak: int, plain: Dict[str, Any], args) -> str:
+    """The rounds at one fraction of the peak; returns the summary line."""
+    steps = args.warmup + 2 * args.blocks * args.block_steps
+    paired, rows, differs = [], [], 0
+    for k in range(args.rounds):
+        order = list(POLICIES) if k % 2 == 0 else list(reversed(POLICIES))
+        spec = RunSpec(model=model, mode="managed", steps=steps, size="default", device="cpu", threads=1,
+                       budget=int(peak * fraction), actions="both", alternate_policies=order,
+                       alternate_steps=args.block_steps)
+        result = spawn_worker(WORKER_COMMAND, spec, timeout=args.timeout)
+        if "error" in result:
+            return f"{model} {fraction:.0%}: round {k + 1} failed: {result['error'][:300]}"
+        row = per_policy(result, args.warmup, args.block_steps)
+        rows.append(row)
+        paired.append(row["delta"]["step_s"] / row["dtr"]["step_s"])
+        differs += not identical(plain, result)
+        print(f"[{model}] {fraction:.0%} round {k + 1}: delta {row['delta']['step_s'] * 1e3:.1f} ms, "
+              f"dtr {row['dtr']['step_s'] * 1e3:.1f} ms, ratio {paired[-1]:.3f}", flush=True)
+
+    def median_of(policy: str, key: str) -> float:
+        return statistics.median(r[policy][key] for r in rows)
+
+    verdict = "met" if statistics.median(paired) <= 1.0 else "MISSED"
+    return (f"{model} {fraction:.0%}: {args.rounds} processes; delta/dtr per process "
+            f"{', '.join(f'{v:.3f}' for v in paired)}, median {statistics.median(paired):.3f}, delta faster in "
+            f"{sum(v < 1.0 for v in paired)} of {len(paired)}; per measured step (median over processes): "
+            f"delta {median_of('delta', 'step_s') * 1e3:.1f} ms, {median_of('delta', 'out_mib'):.1f} MiB out, "
+            f"{median_of('delta', 'replays'):.2g} replays; dtr {median_of('dtr', 'step_s') * 1e3:.1f} ms, "
+            f"{median_of('dtr', 'out_mib'):.1f} MiB out, {median_of('dtr', 'replays'):.2g} replays; "
+            f"losses and parameters identical to plain PyTorch: "
+            f"{'yes' if differs == 0 else f'NO ({differs} runs differ)'}; "
+            f"delta no slower than dtr (median ratio <= 1): {verdict}")
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cells", help="MODEL:PERCENT list, e.g. gpt2:70,cnn:50 (models: "
+                        + ", ".join(BENCHED_MODELS) + ")")
+    parser.add_argument("--rounds", type=int, default=4, help="processes per cell (default 4)")
+    parser.add_argument("--blocks", type=int, default=3, help="blocks per policy in each process (default 3)")
+    parser.add_argument("--block-steps", type=int, default=4, help="steps per block (default 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out (default 2)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per process")
+    parser.add_argument("--markdown", metavar="FILE", help="append the command and the lines to FILE")
+    args = parser.parse_args(argv)
+    cells = []
+    for text in args.cells.split(","):
+        model, _, percent = text.strip().partition(":")
+        if model not in BENCHED_MODELS or not percent.isdigit() or not 0 < int(percent) <= 100:
+            parser.error(f"{text!r} is not MODEL:PERCENT with MODEL one of {', '.join(BENCHED_MODELS)}")
+        cells.append((model, int(percent) / 100))
+    if args.rounds < 1 or args.blocks < 1 or args.block_steps < 2 or args.warmup < 0:
+        parser.error("--rounds and --blocks must be at least 1, --block-steps at least 2, --warmup at least 0")
+    started = time.perf_counter()
+    lines, peaks, plains = [], {}, {}
+    for model, fraction in cells:
+        if model not in peaks:
+            base = dict(model=model, steps=args.warmup + 2 * args.blocks * args.block_steps, size="default",
+                        device="cpu", threads=1)
+            unbudgeted = spawn_worker(WORKER_COMMAND, RunSpec(mode="unbudgeted", actions="swap", **base),
+                                      timeout=args.timeout)
+            plains[model] = spawn_worker(WORKER_COMMAND, RunSpec(mode="plain", **base), timeout=args.timeout)
+            for name, run in (("unbudgeted", unbudgeted), ("plain", plains[model])):
+                if "error" in run:
+                    print(f"{model}: {name} run failed: {run['error']}")
+                    return 1
+            peaks[model] = int(unbudgeted["stats"]["reserved_bytes.all.peak"])
+        lines.append(cell(model, fraction, peaks[model], plains[model], args))
+        print(lines[-1], flush=True)
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_in_process.py", *argv])
+    setup = (f"{machine_line('cpu', 1)}; {args.blocks} blocks of {args.block_steps} steps per policy in each "
+             f"process, the first {args.warmup} steps and every block's first left out; "
+             f"{time.perf_counter() - started:.0f} s in all")
+    print(f"\n{command}\n{setup}\n" + "\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "a") as out:
+            out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n" + "".join(f"- {line}\n" for line in lines))
+    return 1 if any("failed" in line for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
