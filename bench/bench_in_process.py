@@ -12,13 +12,16 @@ blocks of ``--block-steps`` steps, the policies in turn, calling
 ``membudget.install()`` again with the next policy between two steps (the
 budget, actions and everything else unchanged): both policies run on the same
 memory layout and the same machine state. The first ``--warmup`` steps and
-the first step of every block (which inherits the other policy's residency)
-are left out; each policy's step time is the median of its other steps, and
-the round's ratio is ``delta``/``dtr``. Which policy starts alternates by
+the first ``--settle`` steps of every block are left out: a policy's first
+two steps after the other's copy what its own run's first two do (LSTM at
+70%: ``delta`` 60-68 then 66 MiB out, then 36 a step; ``dtr`` 38-40 twice,
+then 36), which the separate runs' warm-up leaves out too. Each policy's
+step time is the median of its other steps, and the round's ratio is
+``delta``/``dtr``. Which policy starts alternates by
 round. Every run's losses and parameters are compared with a plain run's.
 
     PYTHONPATH=python python bench/bench_in_process.py gpt2:70,cnn:50 [--rounds 4]
-        [--blocks 3] [--block-steps 4] [--markdown bench/RESULTS.md]
+        [--blocks 3] [--block-steps 5] [--settle 2] [--markdown bench/RESULTS.md]
 
 What it cannot show: a policy's cost that lasts beyond a block (none is
 known: the unpack order, the link's and the replays' measurements are the
@@ -47,20 +50,21 @@ MiB = 1 << 20
 POLICIES = ("delta", "dtr")
 
 
-def per_policy(result: Dict[str, Any], warmup: int, block_steps: int) -> Dict[str, Dict[str, float]]:
+def per_policy(result: Dict[str, Any], warmup: int, block_steps: int, settle: int) -> Dict[str, Dict[str, float]]:
     """Each policy's median step time over its measured steps (not the
-    warm-up, not a block's first), and its MiB copied out and replays per
-    measured step (from the cumulative per-step counters)."""
+    warm-up, not a block's first ``settle``), and its MiB copied out and
+    replays per measured step (from the cumulative per-step counters)."""
     times: Dict[str, List[float]] = {p: [] for p in POLICIES}
     out: Dict[str, List[float]] = {p: [] for p in POLICIES}
     replays: Dict[str, List[float]] = {p: [] for p in POLICIES}
     stats = result["step_stats"]
     for step, (policy, seconds) in enumerate(zip(result["step_policies"], result["step_seconds"])):
-        if step < warmup or step % block_steps == 0:
+        if step < warmup or step % block_steps < settle:
             continue
+        before = stats[step - 1] if step > 0 else {"swap_out_bytes": 0, "recompute_count": 0}
         times[policy].append(seconds)
-        out[policy].append((stats[step]["swap_out_bytes"] - stats[step - 1]["swap_out_bytes"]) / MiB)
-        replays[policy].append(stats[step]["recompute_count"] - stats[step - 1]["recompute_count"])
+        out[policy].append((stats[step]["swap_out_bytes"] - before["swap_out_bytes"]) / MiB)
+        replays[policy].append(stats[step]["recompute_count"] - before["recompute_count"])
     return {p: {"step_s": statistics.median(times[p]), "out_mib": statistics.mean(out[p]),
                 "replays": statistics.mean(replays[p])} for p in POLICIES}
 
@@ -77,7 +81,7 @@ def cell(model: str, fraction: float, peak: int, plain: Dict[str, Any], args) ->
         result = spawn_worker(WORKER_COMMAND, spec, timeout=args.timeout)
         if "error" in result:
             return f"{model} {fraction:.0%}: round {k + 1} failed: {result['error'][:300]}"
-        row = per_policy(result, args.warmup, args.block_steps)
+        row = per_policy(result, args.warmup, args.block_steps, args.settle)
         rows.append(row)
         paired.append(row["delta"]["step_s"] / row["dtr"]["step_s"])
         differs += not identical(plain, result)
@@ -106,7 +110,8 @@ def main(argv: List[str]) -> int:
                         + ", ".join(BENCHED_MODELS) + ")")
     parser.add_argument("--rounds", type=int, default=4, help="processes per cell (default 4)")
     parser.add_argument("--blocks", type=int, default=3, help="blocks per policy in each process (default 3)")
-    parser.add_argument("--block-steps", type=int, default=4, help="steps per block (default 4)")
+    parser.add_argument("--block-steps", type=int, default=5, help="steps per block (default 5)")
+    parser.add_argument("--settle", type=int, default=2, help="first steps of each block left out (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per process")
     parser.add_argument("--markdown", metavar="FILE", help="append the command and the lines to FILE")
@@ -117,8 +122,9 @@ def main(argv: List[str]) -> int:
         if model not in BENCHED_MODELS or not percent.isdigit() or not 0 < int(percent) <= 100:
             parser.error(f"{text!r} is not MODEL:PERCENT with MODEL one of {', '.join(BENCHED_MODELS)}")
         cells.append((model, int(percent) / 100))
-    if args.rounds < 1 or args.blocks < 1 or args.block_steps < 2 or args.warmup < 0:
-        parser.error("--rounds and --blocks must be at least 1, --block-steps at least 2, --warmup at least 0")
+    if args.rounds < 1 or args.blocks < 1 or args.warmup < 0 or not 0 <= args.settle < args.block_steps:
+        parser.error("--rounds and --blocks must be at least 1, --warmup at least 0, and --settle below "
+                     "--block-steps")
     started = time.perf_counter()
     lines, peaks, plains = [], {}, {}
     for model, fraction in cells:
@@ -137,7 +143,7 @@ def main(argv: List[str]) -> int:
         print(lines[-1], flush=True)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_in_process.py", *argv])
     setup = (f"{machine_line('cpu', 1)}; {args.blocks} blocks of {args.block_steps} steps per policy in each "
-             f"process, the first {args.warmup} steps and every block's first left out; "
+             f"process, the first {args.warmup} steps and every block's first {args.settle} left out; "
              f"{time.perf_counter() - started:.0f} s in all")
     print(f"\n{command}\n{setup}\n" + "\n".join(lines))
     if args.markdown:
