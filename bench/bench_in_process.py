@@ -30,7 +30,6 @@ manager's, shared by both).
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from membudget.harness import RunSpec, identical, spawn_worker  # noqa: E402
 
-from bench_recompute import BENCHED_MODELS, WORKER_COMMAND  # noqa: E402
+from bench_recompute import BENCHED_MODELS, WORKER_COMMAND, report_lines  # noqa: E402
 from bench_swap import machine_line  # noqa: E402
 
 MiB = 1 << 20
@@ -141,15 +140,10 @@ def main(argv: List[str]) -> int:
             peaks[model] = int(unbudgeted["stats"]["reserved_bytes.all.peak"])
         lines.append(cell(model, fraction, peaks[model], plains[model], args))
         print(lines[-1], flush=True)
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_in_process.py", *argv])
     setup = (f"{machine_line('cpu', 1)}; {args.blocks} blocks of {args.block_steps} steps per policy in each "
              f"process, the first {args.warmup} steps and every block's first {args.settle} left out; "
              f"{time.perf_counter() - started:.0f} s in all")
-    print(f"\n{command}\n{setup}\n" + "\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "a") as out:
-            out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n" + "".join(f"- {line}\n" for line in lines))
-    return 1 if any("failed" in line for line in lines) else 0
+    return report_lines("bench/bench_in_process.py", argv, setup, lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -395,12 +395,18 @@ def run_head_to_head(parser: argparse.ArgumentParser, args, argv: List[str], sta
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     lines = [line for model, fractions in cells.items() for line in head_to_head(model, fractions, args)]
-    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_recompute.py", *argv])
     setup = (f"{machine_line('cpu', args.threads)}; {args.steps} steps per run, median step time after "
              f"{args.warmup} warm-up steps; {time.perf_counter() - started:.0f} s in all")
+    return report_lines("bench/bench_recompute.py", argv, setup, lines, args.markdown)
+
+
+def report_lines(script: str, argv: List[str], setup: str, lines: List[str], markdown: Optional[str]) -> int:
+    """Print the command, the set-up and the summary lines (and append them
+    to ``markdown``); 1 when a line reports a failed run, else 0."""
+    command = "python " + " ".join(shlex.quote(a) for a in [script, *argv])
     print(f"\n{command}\n{setup}\n" + "\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "a") as out:
+    if markdown:
+        with open(markdown, "a") as out:
             out.write(f"\n```\n{command}\n```\n\n{setup}.\n\n" + "".join(f"- {line}\n" for line in lines))
     return 1 if any("failed" in line for line in lines) else 0
 
