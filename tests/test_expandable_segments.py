@@ -291,3 +291,19 @@ def test_a_fixed_segment_page_must_be_whole_backend_pages(backend):
     assert allocator.segment_page_bytes == 256 * KiB  # not the budget's 16 KiB
     with pytest.raises(ValueError, match="not a multiple of the backend's page"):
         core.CachingAllocator(backend, 8 * MiB, expandable_segments=True, segment_page_bytes=6000)
+
+
+def test_a_budget_lowered_below_live_blocks_is_met_once_they_are_freed(backend):
+    # Found by the allocator's property test: blocks live in segments with
+    # 128 KiB pages when the budget drops to 2 MiB (their segments retire,
+    # Note [Host pages]); once they are freed, a request must unmap the
+    # pages over the budget too, not only its own bytes (moves between the
+    # old pages and the new cannot cover it).
+    allocator = make(backend, 64 * MiB)
+    big = [allocator.allocate(10 * MiB - 4096, stream) for stream in (0, 7)]
+    allocator.set_budget(2 * MiB)
+    assert allocator.stats()["reserved_current"] == 20 * MiB
+    for address in big:
+        allocator.deallocate(address)
+    fill(allocator.allocate(1), 1, 3)
+    assert allocator.stats()["reserved_current"] <= 2 * MiB

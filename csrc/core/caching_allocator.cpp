@@ -170,8 +170,10 @@ struct CachingAllocator::Impl {
     const size_t needed = segment.unmapped_bytes_touching(block->ptr, size);
     if (needed == 0) return true;
     if (!try_reserve(needed)) {
+      // What must go for `needed` to fit, including what a budget lowered
+      // below the reserved bytes left over (set_budget with blocks live).
       const size_t reserved = reserved_bytes.load();
-      shortfall_bytes = needed - (budget > reserved ? budget - reserved : 0);
+      shortfall_bytes = reserved + needed > budget ? reserved + needed - budget : needed;
       shortfall_block = block;
       return false;
     }
