@@ -420,7 +420,7 @@ struct CachingAllocator::Impl {
   // Note [Host pages]: a new budget that wants another page releases the
   // expandable segments with nothing live in them, and retires the others:
   // their free tail (the never-mapped range new blocks would grow into) is
-  // unmapped and cut off, so the next request that finds no free block
+  // cut off once its pages are unmapped, so the next request that finds no free block
   // reserves a new segment with the new page, while their free fragments
   // still serve requests that fit. Without this, one small tensor kept alive
   // across install() calls in a process (the tests) pinned the page of a
@@ -452,9 +452,8 @@ struct CachingAllocator::Impl {
         cut = pool.split(tail, kept);
         pool.insert(tail);
       }
-      const size_t released = range.unmap_inside(cut->ptr, cut->size);
-      reserved_bytes.fetch_sub(released);
-      stats.unmapped_bytes_total += released;
+      // Its pages are unmapped already: release_free_segments() above
+      // unmapped every page wholly inside a free block.
       cut->prev->next = nullptr;
       segment.size = static_cast<size_t>(cut->ptr - segment.head->ptr);  // what its blocks cover
       delete cut;

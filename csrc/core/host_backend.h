@@ -68,9 +68,10 @@ class HostBackend final : public Backend {
   // again with another budget, as the tests do): the old segments are
   // released, or retired where blocks still live in them.
   size_t page_bytes() const override;
-  // Note [Host pages]: a power of two from the kernel's page up to
-  // kMaxSegmentPageBytes, about budget / kSegmentPagesPerBudget; the
-  // kernel's page without a budget below the device's memory.
+  // The page for a budget (Note [Host pages]): a power of two from the
+  // kernel's page up to kMaxSegmentPageBytes, about budget /
+  // kSegmentPagesPerBudget; the kernel's page without a budget below the
+  // device's memory.
   size_t segment_page_bytes(size_t budget_bytes) const override;
   // The same for a budget on a device of `capacity_bytes` (0: this
   // machine's memory), for the simulator's model of this backend.

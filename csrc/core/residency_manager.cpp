@@ -464,9 +464,7 @@ void ResidencyManager::wait_for_arrival(ResidencyEntry* entry, Stream stream, bo
   // host backend this blocks.
   auto start = backend_.clock_now();
   backend_.stream_wait(stream, entry->copy_event_);
-  const double waited = seconds_since(backend_, start);
-  counters_.stall_seconds += waited;
-  blocked_seconds_ += waited;
+  note_stall_since(start);
   finish_copy(entry);
   if (was_prefetched) ++counters_.prefetch_hits;
 }
@@ -499,9 +497,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
       ++counters_.prefetch_misses;
       auto start = backend_.clock_now();
       swap_in(entry, stream, /*wait=*/true);
-      const double waited = seconds_since(backend_, start);
-      counters_.stall_seconds += waited;
-      blocked_seconds_ += waited;
+      note_stall_since(start);
       break;
     }
     case Residency::recomputing:
@@ -763,6 +759,12 @@ void ResidencyManager::maybe_start_background_swaps() {
     releasable += entry->bytes();
     d2h_queued += entry->bytes();
   }
+}
+
+void ResidencyManager::note_stall_since(std::chrono::steady_clock::time_point start) {
+  const double waited = seconds_since(backend_, start);
+  counters_.stall_seconds += waited;
+  blocked_seconds_ += waited;
 }
 
 double ResidencyManager::wait_blocked(const EventPtr& event) {

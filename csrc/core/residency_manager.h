@@ -261,6 +261,8 @@ class ResidencyManager final : public Evictor {
   // Waits for a copy, counting the wait in blocked_seconds_ (Note [Replay
   // overhead]); returns its seconds.
   double wait_blocked(const EventPtr& event);
+  // An unpack's wait since `start`: a stall, and blocked time too.
+  void note_stall_since(std::chrono::steady_clock::time_point start);
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();

@@ -123,7 +123,7 @@ class RunSpec:
     next one between steps (the result's ``step_policies`` says which ran
     each step): two policies compared in one process share its memory layout
     and machine state, which separate processes do not (Note [Policies in
-    one process] in bench/bench_recompute.py). Fields added later default to
+    one process] in bench/bench_in_process.py). Fields added later default to
     ``None``, so older specs (the demo's, bench_swap's) read unchanged."""
 
     model: str
