@@ -1042,6 +1042,64 @@ def test_background_copies_stop_after_the_last_request_to_come():
     assert r["swap_out_bytes"] == 3 * small, r  # the two evicted and one copy (the third 25 MB tensor)
 
 
+def _background_program(saved, temporaries):
+    """Forward saves tensors of ``saved`` bytes, computes for 1 s while the
+    link is idle, then allocates temporaries of ``temporaries`` bytes at
+    once (no pack between them), each alive until all are made; backward
+    uses the saved tensors 0.1 s apart, last saved first."""
+    prog = Program(tensor_bytes=list(saved) + list(temporaries))
+    first_temporary = len(saved)
+    for t in range(first_temporary):
+        _save(prog, t, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    for t in range(first_temporary, len(prog.tensor_bytes)):
+        prog.emit(Code.ALLOC, t)
+        prog.emit(Code.COMPUTE, -1, 0.01)
+    for t in range(first_temporary, len(prog.tensor_bytes)):
+        prog.emit(Code.FREE, t)
+    for t in reversed(range(first_temporary)):
+        _use(prog, t, 0.1)
+    return prog
+
+
+def _measured_third_iteration(prog, budget):
+    from membudget._native import load_extension
+
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, budget,
+                                       1 << 40, 1e9, True, "delta", 0, 0.8, 3, copies_ahead=False)
+
+
+def test_background_copies_cover_a_request_below_the_watermark():
+    # Note [Requests that will not fit]. Forward saves 40, 10 and 10 MB
+    # under a 100 MB budget: 60 MB allocated, below the 80 MB watermark. A
+    # 50 MB temporary then needs eviction. Below the watermark nothing was
+    # copied ahead, and the eviction copied the 40 MB tensor out on the
+    # allocation path (40 ms at 1 GB/s) though the link idled for a second
+    # before it; the previous iteration said the request would come and not
+    # fit, so the copies now run in that second and the eviction waits for
+    # none.
+    prog = _background_program([40_000_000, 10_000_000, 10_000_000], [50_000_000])
+    r = _measured_third_iteration(prog, 100_000_000)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000 and r["eviction_count"] >= 1, r
+    assert r["swap_out_bytes"] >= 50_000_000, r
+    assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_background_copies_cover_every_request_between_two_packs():
+    # Note [Requests between two packs]. Forward saves six 15 MB tensors
+    # under a 100 MB budget (90 MB, above the 80 MB watermark); two 30 MB
+    # temporaries then come one after the other with no pack between, and
+    # each needs 30 MB evicted. Covering the larger request alone (30 MB)
+    # left the second to copy two tensors out on the allocation path (30 ms
+    # at 1 GB/s); the previous iteration's evictions at that pack released
+    # 60 MB, and that much is now copied during the idle second.
+    prog = _background_program([15_000_000] * 6, [30_000_000, 30_000_000])
+    r = _measured_third_iteration(prog, 100_000_000)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000, r
+    assert r["swap_out_bytes"] >= 60_000_000, r
+    assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
 @pytest.mark.parametrize("compute_copy_share, total", [(1.0, 0.1), (0.5, 0.15), (0.25, 0.175)])
 def test_compute_beside_a_copy_runs_at_the_compute_copy_share(compute_copy_share, total):
     # Note [Compute beside a copy]. 100 MB out at 1 GB/s (0.1 s, the copy's

@@ -329,6 +329,29 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
 
 size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
+  const size_t freed = evict_for(bytes_needed, stream);
+  note_request(bytes_needed, freed);
+  return freed;
+}
+
+void ResidencyManager::note_request(size_t bytes_needed, size_t freed) {
+  // Note [Requests to come]: backward's requests count at the end of forward.
+  if (requests_by_pack_.size() <= packs_this_iteration_) requests_by_pack_.resize(packs_this_iteration_ + 1, 0);
+  size_t& at_pack = requests_by_pack_[packs_this_iteration_];
+  // Note [Requests between two packs]: in forward, what the evictions
+  // between two packs released, all told. Several requests can come
+  // between two packs (GPT-2 at 50% on the CPU: 16, 16 and 4 MiB at the
+  // 30th); covering only the largest left the last to copy a 16 MiB
+  // activation out on the allocation path, 2-3 ms a step under every
+  // policy. A request that one victim and free neighbours served counts
+  // whole: the copies covering it need not lie beside free memory. In
+  // backward, where unpacks free memory between requests and all of them
+  // count at one pack, the largest.
+  const size_t released = std::max(bytes_needed, freed);
+  at_pack = unpacked_since_pack_ ? std::max(at_pack, bytes_needed) : at_pack + released;
+}
+
+size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
   reap_completed_copies();
   size_t freed = 0;
   std::vector<const void*> released;  // block addresses, for evictions_wasted
@@ -338,9 +361,6 @@ size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
     std::fprintf(stderr, "membudget: request %s at pack %llu phase=%s\n", format_bytes(bytes_needed).c_str(),
                  (unsigned long long)packs_this_iteration_, unpacked_since_pack_ ? "backward" : "forward");
   }
-  // Backward's requests count at the end of forward (Note [Requests to come]).
-  if (requests_by_pack_.size() <= packs_this_iteration_) requests_by_pack_.resize(packs_this_iteration_ + 1, 0);
-  requests_by_pack_[packs_this_iteration_] = std::max(requests_by_pack_[packs_this_iteration_], bytes_needed);
   for (int pass = 0; pass < 2 && freed < bytes_needed && !fits; ++pass) {
     if (pass == 1) {
       // Copies in flight pin their entries (a prefetch being swapped in, a
@@ -720,7 +740,16 @@ void ResidencyManager::maybe_start_background_swaps() {
   if (!allowed_.swap) return;  // actions=recompute: nothing may go to host
   const size_t threshold = static_cast<size_t>(config_.high_watermark * static_cast<double>(budget));
   const size_t allocated = device_.stats().allocated_current;
-  if (allocated <= threshold) return;
+  const size_t to_cover = request_to_cover();
+  // Note [Requests that will not fit]: below the watermark a request still
+  // to come may not fit. At LSTM 70% on the CPU a 30 MiB request at the
+  // 10th pack found 50 MiB allocated of 76: it evicted the 30 MiB
+  // activation packed two packs before, copied out on the allocation path
+  // (3-5 ms a step, under every policy), while the link idled from that
+  // pack on. Only a predicted request counts (the fallback's largest
+  // request so far may lie behind).
+  const bool request_will_not_fit = requests_to_come_known_ && allocated + to_cover > budget;
+  if (allocated <= threshold && !request_will_not_fit) return;
   // Note [Background target]: eviction on the allocation path releases
   // a request's whole size in forward (Note [Request fits]), not just what
   // lies above the watermark. For it to be instant, the bytes releasable
@@ -729,7 +758,7 @@ void ResidencyManager::maybe_start_background_swaps() {
   // the CPU model's GPT-2 at 70% copied 1.6 ms per step synchronously in
   // forward (16 MiB requests against a few MiB above the watermark). Only
   // requests still to come count (Note [Requests to come]).
-  const size_t excess = std::max(allocated - threshold, request_to_cover());
+  const size_t excess = std::max(allocated > threshold ? allocated - threshold : 0, to_cover);
   size_t releasable = 0;  // device bytes that eviction could release without copying
   for (ResidencyEntry* entry : entries_) {
     if (entry->state_ == Residency::swapping_out ||

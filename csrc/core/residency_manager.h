@@ -266,8 +266,13 @@ class ResidencyManager final : public Evictor {
   // False only for a prefetch (wait == false) that found no room.
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
-  // The largest eviction request the background copies should cover from
-  // here on (Note [Requests to come]).
+  // evict() without the lock and without recording the request.
+  size_t evict_for(size_t bytes_needed, Stream stream);
+  // Records an eviction request for the next iteration's background target
+  // (Note [Requests to come]).
+  void note_request(size_t bytes_needed, size_t freed);
+  // The bytes the background copies should cover from here on: the most
+  // that evictions released at one pack (Note [Requests to come]).
   size_t request_to_cover() const;
   // The budget, or the device's memory when that is smaller: what the
   // watermark and the prefetch window are fractions of.
@@ -358,9 +363,10 @@ class ResidencyManager final : public Evictor {
   size_t largest_forward_request_ = 0;
   size_t largest_forward_request_last_iteration_ = 0;
   // Note [Requests to come]: the eviction requests of this iteration by the
-  // pack count at which they came (the largest at each; backward's at the
-  // end of forward), and over the previous iteration, at index s, the
-  // largest one made at pack count s or later.
+  // pack count at which they came (in forward what they released, all told,
+  // Note [Requests between two packs]; backward's, the largest, at the end
+  // of forward), and over the previous iteration, at index s, the largest
+  // of those at pack count s or later.
   std::vector<size_t> requests_by_pack_;
   std::vector<size_t> requests_to_come_;
   bool requests_to_come_known_ = false;  // the previous iteration had a prediction
