@@ -47,3 +47,28 @@ def test_alternating_needs_a_managed_run_and_a_block_length():
     with pytest.raises(ValueError, match="alternate_policies"):
         harness.RunSpec.from_json(harness.RunSpec(mode="plain", alternate_policies=["delta"], alternate_steps=2,
                                                   **BASE).to_json())
+
+
+def test_neighbouring_blocks_cancel_a_drift_the_process_medians_keep():
+    # Note [Neighbouring blocks] in bench/bench_in_process.py. Two policies
+    # that cost the same, in blocks of 4 steps (the first 2 of each left out),
+    # on a machine that slows by 1% a step: each policy's median over the
+    # process favours whichever ran earlier, the ratio to the neighbouring
+    # blocks does not. A delta 2% slower throughout shows as 1.02.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_in_process
+
+    order = ["delta", "dtr"] * 3
+    policies = [p for p in order for _ in range(4)]
+    for cost, expected in ((1.0, 1.0), (1.02, 1.02)):
+        seconds = [0.1 * (1 + 0.01 * step) * (cost if policy == "delta" else 1.0)
+                   for step, policy in enumerate(policies)]
+        result = {"step_policies": policies, "step_seconds": seconds}
+        ratios = bench_in_process.block_ratios(result, warmup=0, block_steps=4, settle=2)
+        assert len(ratios) == 3
+        assert all(r == pytest.approx(expected, abs=0.002) for r in ratios[1:]), ratios  # dtr on both sides
+        # The first delta block has dtr after it only: the drift shows there.
+        assert ratios[0] < expected
+        medians = {p: sorted(s for s, q in zip(seconds, policies) if q == p) for p in ("delta", "dtr")}
+        process_ratio = medians["delta"][len(medians["delta"]) // 2] / medians["dtr"][len(medians["dtr"]) // 2]
+        assert process_ratio < expected - 0.02
