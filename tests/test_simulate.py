@@ -1100,6 +1100,57 @@ def test_background_copies_cover_every_request_between_two_packs():
     assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
 
 
+def test_background_copies_cover_requests_a_few_packs_apart():
+    # Note [Requests in a row]. Forward saves six 15 MB tensors under a 100
+    # MB budget (90 MB, above the 80 MB watermark) and computes for 1 s while
+    # the link idles. A 20 MB temporary then evicts two of them (30 MB); one
+    # small tensor is saved 10 ms later, and a second 20 MB temporary, the
+    # first still alive, evicts two more. Covering one pack's requests at a
+    # time, the copies for the second were issued at the small tensor's pack
+    # and the second request waited 20 ms for them (30 MB at 1 GB/s); the
+    # evictions of the packs in a row are now covered in the idle second.
+    prog = Program(tensor_bytes=[15_000_000] * 6 + [20_000_000, 1_000_000, 20_000_000])
+    for t in range(6):
+        _save(prog, t, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    prog.emit(Code.ALLOC, 6)
+    prog.emit(Code.COMPUTE, -1, 0.01)
+    _save(prog, 7, 0.01)
+    prog.emit(Code.ALLOC, 8)
+    prog.emit(Code.COMPUTE, -1, 0.01)
+    prog.emit(Code.FREE, 6)
+    prog.emit(Code.FREE, 8)
+    for t in (7, 5, 4, 3, 2, 1, 0):
+        _use(prog, t, 0.1)
+    r = _measured_third_iteration(prog, 100_000_000)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 100_000_000 and r["eviction_count"] >= 3, r
+    assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
+
+
+def test_backward_passes_over_one_fitting_victim_that_costs_more():
+    # Note [One victim that costs more]. Forward saves H1, H2, H3 (10 MB
+    # each, used last), B (30 MB, used first) and a small S under an 80 MB
+    # budget, then computes for 1 s, in which all four are copied out in the
+    # background. Backward unpacks S, then a 30 MB temporary finds 19 MB
+    # free. Only B fits alone, and the allocator-aware pass released it: its
+    # copy back in, needed at once, was a 30 ms stall (1 GB/s). The H ranked
+    # first cost nothing to release, and with expandable segments two of
+    # them make the request fit as well; their copies back in (no prefetch
+    # here) take 10 ms each.
+    MB = 1_000_000
+    prog = Program(tensor_bytes=[10 * MB] * 3 + [30 * MB, MB, 30 * MB])  # H1, H2, H3, B, S, temporary
+    for t in range(5):
+        _save(prog, t, 0.01)
+    prog.emit(Code.COMPUTE, -1, 1.0)
+    _use(prog, 4, 0.01)
+    _temporary(prog, 5, 0.01)
+    for t in (3, 2, 1, 0):
+        _use(prog, t, 0.1)
+    r = _measured_third_iteration(prog, 80 * MB)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 80 * MB, r
+    assert r["eviction_count"] == 2 and r["stall_s"] == pytest.approx(0.02), r
+
+
 @pytest.mark.parametrize("compute_copy_share, total", [(1.0, 0.1), (0.5, 0.15), (0.25, 0.175)])
 def test_compute_beside_a_copy_runs_at_the_compute_copy_share(compute_copy_share, total):
     # Note [Compute beside a copy]. 100 MB out at 1 GB/s (0.1 s, the copy's

@@ -268,6 +268,10 @@ class ResidencyManager final : public Evictor {
   void maybe_start_background_swaps();
   // evict() without the lock and without recording the request.
   size_t evict_for(size_t bytes_needed, Stream stream);
+  // What the first candidates in `ordered` cost that together hold `bytes`,
+  // what a request misses beyond the memory free now (Note [One victim that
+  // costs more]).
+  static double cost_to_cover(const std::vector<EvictionCandidate>& ordered, size_t bytes);
   // Records an eviction request for the next iteration's background target
   // (Note [Requests to come]).
   void note_request(size_t bytes_needed, size_t freed);
