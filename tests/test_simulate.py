@@ -1100,15 +1100,15 @@ def test_background_copies_cover_every_request_between_two_packs():
     assert r["stall_s"] - r["unpack_stall_s"] == pytest.approx(0.0, abs=1e-9), r
 
 
-def test_background_copies_cover_requests_a_few_packs_apart():
-    # Note [Requests in a row]. Forward saves six 15 MB tensors under a 100
-    # MB budget (90 MB, above the 80 MB watermark) and computes for 1 s while
-    # the link idles. A 20 MB temporary then evicts two of them (30 MB); one
+def test_background_copies_cover_every_eviction_still_to_come():
+    # Note [Evictions still to come]. Forward saves six 15 MB tensors under
+    # a 100 MB budget (90 MB, above the 80 MB watermark) and computes for 1 s
+    # while the link idles. A 20 MB temporary then evicts two of them; one
     # small tensor is saved 10 ms later, and a second 20 MB temporary, the
-    # first still alive, evicts two more. Covering one pack's requests at a
+    # first still alive, evicts two more. Covering one pack's evictions at a
     # time, the copies for the second were issued at the small tensor's pack
-    # and the second request waited 20 ms for them (30 MB at 1 GB/s); the
-    # evictions of the packs in a row are now covered in the idle second.
+    # and the second request waited 20 ms for them (30 MB at 1 GB/s); all the
+    # evictions still to come are now covered in the idle second.
     prog = Program(tensor_bytes=[15_000_000] * 6 + [20_000_000, 1_000_000, 20_000_000])
     for t in range(6):
         _save(prog, t, 0.01)

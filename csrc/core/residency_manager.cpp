@@ -28,20 +28,6 @@ class PolicyTimer {
 // Background swap-outs in flight at once: enough to keep a copy stream busy
 // without flooding the host tier ahead of need.
 constexpr size_t kMaxBackgroundCopies = 8;
-// Note [Requests in a row]: evictions at packs close together draw on the
-// bytes releasable without a copy one after another, faster than background
-// copies issued in between can refill them: GPT-2 at 50% on the CPU evicts
-// at packs 40, 41, 41 and 50, and each request's victim was copied out just
-// before it came (a 16 MiB activation packed at 41; 2.8 and 1.7 ms of waits
-// a step, CPU model). So the background target covers what the evictions of
-// this many packs in a row released. Measured on the CPU model
-// (sim_cpu_targets.py --iterations 3), GPT-2 at 50%, delta / dtr over plain
-// PyTorch, by window: 1 pack 1.0264 / 1.0262, 2 packs 1.0256 / 1.0167, 4
-// packs 1.0161 / 1.0172, 8 packs 1.0155 / 1.0155, 16 or all of forward
-// 1.0106 / 1.0091 (but GPT-2 at 70% then 1.0083 for both, from 1.0069 /
-// 1.0154); at 40% 1.0350 -> 1.0282 from 4 packs on; CNN, LSTM and the h200
-// table unchanged at every window.
-constexpr size_t kRequestWindowPacks = 4;
 // The prefetch window never exceeds this fraction of the device budget.
 constexpr double kMaxPrefetchBudgetFraction = 0.25;
 // How many unpacks of slack backward's copy-ins may have left before the
@@ -98,18 +84,28 @@ void ResidencyManager::start_iteration() {
   // Note [Requests to come]: an iteration without a prediction (the first)
   // runs without prefetches, so it evicts elsewhere than the next ones.
   requests_to_come_known_ = order_.has_prediction();
+  // Note [Evictions still to come]: evictions at packs close together draw
+  // on the bytes releasable without a copy one after another, faster than
+  // background copies issued in between refill them: GPT-2 at 50% on the
+  // CPU evicts at packs 40, 41, 41 and 50, and each victim's copy had been
+  // issued a pack before its request (a 16 MiB activation packed at 41; 2.8
+  // and 1.7 ms of waits a step, CPU model). So the target is what all the
+  // evictions from this pack to the step's end released (the last index,
+  // the end of forward, holds backward's largest request or what forward's
+  // last evictions released, whichever is more), not the largest of them.
+  // Copies stay bounded by kMaxBackgroundCopies, the host tier and Note
+  // [Late background copies]. Measured on the CPU model
+  // (sim_cpu_targets.py --iterations 3), delta / dtr over plain PyTorch,
+  // summing over a window of 1, 2, 4, 8, 16 packs or the rest of the step:
+  // GPT-2 50% 1.0166 / 1.0158, 1.0158 / 1.0167, 1.0155 / 1.0172, 1.0155 /
+  // 1.0155, 1.0089 / 1.0091, 1.0089 / 1.0091; GPT-2 40% 1.0186 / 1.0258
+  // (1, 2 packs), 1.0178 / 1.0178 (4, 8), 1.0175 / 1.0175 (16, the rest);
+  // GPT-2 70% 1.0069 / 1.0138 up to 8 packs, 1.0068 / 1.0067 from 16. CNN,
+  // LSTM and the h200 table (sim_targets.py) are the same at every window.
   requests_to_come_.assign(requests_by_pack_.size(), 0);
-  // Note [Requests in a row]: what the evictions release over
-  // kRequestWindowPacks packs from each pack on (the last, at the end of
-  // forward, holds backward's largest request or what forward's last
-  // evictions released, whichever is more).
   size_t to_come = 0;
   for (size_t s = requests_by_pack_.size(); s-- > 0;) {
-    size_t in_a_row = 0;
-    for (size_t q = s; q < std::min(s + kRequestWindowPacks, requests_by_pack_.size()); ++q) {
-      in_a_row += requests_by_pack_[q];
-    }
-    to_come = std::max(to_come, in_a_row);
+    to_come += requests_by_pack_[s];
     requests_to_come_[s] = to_come;
   }
   requests_by_pack_.clear();
@@ -798,13 +794,14 @@ void ResidencyManager::maybe_start_background_swaps() {
   const size_t threshold = static_cast<size_t>(config_.high_watermark * static_cast<double>(budget));
   const size_t allocated = device_.stats().allocated_current;
   const size_t to_cover = request_to_cover();
-  // Note [Requests that will not fit]: below the watermark a request still
-  // to come may not fit. At LSTM 70% on the CPU a 30 MiB request at the
-  // 10th pack found 50 MiB allocated of 76: it evicted the 30 MiB
-  // activation packed two packs before, copied out on the allocation path
-  // (3-5 ms a step, under every policy), while the link idled from that
-  // pack on. Only a predicted request counts (the fallback's largest
-  // request so far may lie behind).
+  // Note [Requests that will not fit]: below the watermark the evictions
+  // still to come (Note [Evictions still to come]) may not fit beside what
+  // is allocated. At LSTM 70% on the CPU a 30 MiB request at the 10th pack
+  // found 50 MiB allocated of 76: it evicted the 30 MiB activation packed
+  // two packs before, copied out on the allocation path (3-5 ms a step,
+  // under every policy), while the link idled from that pack on. Only
+  // predicted evictions count (the fallback's largest request so far may
+  // lie behind).
   const bool request_will_not_fit = requests_to_come_known_ && allocated + to_cover > budget;
   if (allocated <= threshold && !request_will_not_fit) return;
   // Note [Background target]: eviction on the allocation path releases

@@ -275,8 +275,9 @@ class ResidencyManager final : public Evictor {
   // Records an eviction request for the next iteration's background target
   // (Note [Requests to come]).
   void note_request(size_t bytes_needed, size_t freed);
-  // The bytes the background copies should cover from here on: the most
-  // that evictions released at one pack (Note [Requests to come]).
+  // The bytes the background copies should cover from here on: what the
+  // previous iteration's evictions from this pack on released (Note
+  // [Requests to come], Note [Evictions still to come]).
   size_t request_to_cover() const;
   // The budget, or the device's memory when that is smaller: what the
   // watermark and the prefetch window are fractions of.
@@ -369,8 +370,8 @@ class ResidencyManager final : public Evictor {
   // Note [Requests to come]: the eviction requests of this iteration by the
   // pack count at which they came (in forward what they released, all told,
   // Note [Requests between two packs]; backward's, the largest, at the end
-  // of forward), and over the previous iteration, at index s, the largest
-  // of those at pack count s or later.
+  // of forward), and over the previous iteration, at index s, all of those
+  // from pack count s on, added up (Note [Evictions still to come]).
   std::vector<size_t> requests_by_pack_;
   std::vector<size_t> requests_to_come_;
   bool requests_to_come_known_ = false;  // the previous iteration had a prediction
