@@ -54,21 +54,25 @@ POLICIES = ("delta", "dtr")
 
 def per_policy(result: Dict[str, Any], warmup: int, block_steps: int, settle: int) -> Dict[str, Dict[str, float]]:
     """Each policy's median step time over its measured steps (not the
-    warm-up, not a block's first ``settle``), and its MiB copied out and
-    replays per measured step (from the cumulative per-step counters)."""
+    warm-up, not a block's first ``settle``), and its MiB copied out,
+    replays and milliseconds the compute thread waited for copies (Note
+    [Copy timeline]: unpacks and the allocation path alike) per measured
+    step, from the cumulative per-step counters."""
     times: Dict[str, List[float]] = {p: [] for p in POLICIES}
     out: Dict[str, List[float]] = {p: [] for p in POLICIES}
     replays: Dict[str, List[float]] = {p: [] for p in POLICIES}
+    waits: Dict[str, List[float]] = {p: [] for p in POLICIES}
     stats = result["step_stats"]
     for step, (policy, seconds) in enumerate(zip(result["step_policies"], result["step_seconds"])):
         if step < warmup or step % block_steps < settle:
             continue
-        before = stats[step - 1] if step > 0 else {"swap_out_bytes": 0, "recompute_count": 0}
+        before = stats[step - 1] if step > 0 else {}
         times[policy].append(seconds)
-        out[policy].append((stats[step]["swap_out_bytes"] - before["swap_out_bytes"]) / MiB)
-        replays[policy].append(stats[step]["recompute_count"] - before["recompute_count"])
+        out[policy].append((stats[step]["swap_out_bytes"] - before.get("swap_out_bytes", 0)) / MiB)
+        replays[policy].append(stats[step]["recompute_count"] - before.get("recompute_count", 0))
+        waits[policy].append((stats[step].get("wait_seconds", 0.0) - before.get("wait_seconds", 0.0)) * 1e3)
     return {p: {"step_s": statistics.median(times[p]), "out_mib": statistics.mean(out[p]),
-                "replays": statistics.mean(replays[p])} for p in POLICIES}
+                "replays": statistics.mean(replays[p]), "wait_ms": statistics.mean(waits[p])} for p in POLICIES}
 
 
 def block_ratios(result: Dict[str, Any], warmup: int, block_steps: int, settle: int) -> List[float]:
@@ -131,8 +135,9 @@ def cell(model: str, fraction: float, peak: int, plain: Dict[str, Any], args) ->
             f"{'the same MiB out and no replays in every process; ' if same_work else ''}"
             f"per measured step (median over processes): "
             f"delta {median_of('delta', 'step_s') * 1e3:.1f} ms, {median_of('delta', 'out_mib'):.1f} MiB out, "
-            f"{median_of('delta', 'replays'):.2g} replays; dtr {median_of('dtr', 'step_s') * 1e3:.1f} ms, "
-            f"{median_of('dtr', 'out_mib'):.1f} MiB out, {median_of('dtr', 'replays'):.2g} replays; "
+            f"{median_of('delta', 'replays'):.2g} replays, {median_of('delta', 'wait_ms'):.1f} ms waited for copies; "
+            f"dtr {median_of('dtr', 'step_s') * 1e3:.1f} ms, {median_of('dtr', 'out_mib'):.1f} MiB out, "
+            f"{median_of('dtr', 'replays'):.2g} replays, {median_of('dtr', 'wait_ms'):.1f} ms waited for copies; "
             f"losses and parameters identical to plain PyTorch: "
             f"{'yes' if differs == 0 else f'NO ({differs} runs differ)'}; "
             f"delta no slower than dtr (median ratio <= 1): {verdict}")
