@@ -389,10 +389,9 @@ double ResidencyManager::cost_to_cover(const std::vector<EvictionCandidate>& ord
   // for. Infinite when the candidates cannot cover the request.
   double seconds = 0.0;
   size_t covered = 0;
-  for (const EvictionCandidate& c : ordered) {
-    if (covered >= bytes) return seconds;
-    seconds += c.cost_seconds;
-    covered += c.bytes;
+  for (auto c = ordered.begin(); c != ordered.end() && covered < bytes; ++c) {
+    seconds += c->cost_seconds;
+    covered += c->bytes;
   }
   return covered >= bytes ? seconds : std::numeric_limits<double>::infinity();
 }
