@@ -1,6 +1,7 @@
-"""Models nobody here wrote (transformers GPT-2 and BERT from small configs,
-no weights downloaded) and an nn.LSTM language model, each with a seeded batch
-maker and a loss function, sized so that activations dominate memory."""
+"""Models nobody here wrote (transformers GPT-2, BERT, Llama, T5 and ViT from
+small configs, no weights downloaded) and an nn.LSTM language model, each with
+a seeded batch maker and a loss function, sized so that activations dominate
+memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,3 +72,49 @@ def lstm(batch: int = 16, seq: int = 64) -> Workload:
         return nn.functional.cross_entropy(logits.reshape(-1, vocab), b[0][:, 1:].reshape(-1))
 
     return Workload("lstm", lambda: LstmLanguageModel(vocab), _token_batch(vocab, batch, seq), loss)
+
+
+def llama(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    """A decoder as current LLMs build it: rotary positions, grouped-query
+    attention (2 key/value heads for 4 query heads), RMSNorm, a SiLU-gated MLP."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                         attention_dropout=dropout)
+    return Workload(
+        "llama",
+        lambda: LlamaForCausalLM(config),
+        _token_batch(256, batch, seq),
+        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
+    )
+
+
+def t5(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    """An encoder-decoder: relative position bias, cross-attention, and
+    activations the decoder reads from the encoder."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=256, num_layers=layers, num_heads=4,
+                      dropout_rate=dropout, decoder_start_token_id=0)
+    return Workload(
+        "t5",
+        lambda: T5ForConditionalGeneration(config),
+        _token_batch(256, batch, seq),
+        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
+    )
+
+
+def vit(batch: int = 16, image: int = 64, layers: int = 2, dropout: float = 0.1) -> Workload:
+    """A vision transformer: a convolutional patch embedding, then attention."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=image, patch_size=8, hidden_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, intermediate_size=256, num_labels=10,
+                       hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return Workload(
+        "vit",
+        lambda: ViTForImageClassification(config),
+        lambda: (torch.randn(batch, 3, image, image), torch.randint(0, 10, (batch,))),
+        lambda model, b: model(pixel_values=b[0], labels=b[1]).loss,
+    )

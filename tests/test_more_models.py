@@ -1,0 +1,50 @@
+"""Three more architectures nobody here wrote, beyond GPT-2 and BERT: a
+current decoder (Llama: rotary positions, grouped-query attention, RMSNorm,
+SiLU-gated MLP), an encoder-decoder (T5: relative position bias,
+cross-attention) and a vision transformer (ViT: a convolutional patch
+embedding), each with dropout 0.1. Under half their unmanaged peak, swapping
+only and recomputing only (under each lineage recorder), training must give
+plain PyTorch's losses and parameters bit for bit within the budget, and the
+action must actually have been taken. Their ops, views and random ops are
+what the lineage recorder and the replays have to get right."""
+import pytest
+
+from models import llama, t5, vit
+from training import assert_identical, reference_and_half_peak, run_managed
+
+pytestmark = pytest.mark.requires_native
+
+STEPS = 3
+MIN_TENSOR_BYTES = 16 * 1024
+WORKLOADS = [llama, t5, vit]
+IDS = ["llama", "t5", "vit"]
+
+
+def _check_within_budget(run, budget: int) -> None:
+    stats = run.stats
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["num_ooms"] == 0
+
+
+@pytest.mark.parametrize("make_workload", WORKLOADS, ids=IDS)
+def test_swap_only_under_half_the_peak_is_exact(make_workload):
+    work = make_workload()
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="swap",
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    _check_within_budget(managed, budget)
+    assert managed.stats["swap_out_bytes"] > 0
+    assert managed.stats["recompute_count"] == 0
+
+
+@pytest.mark.parametrize("make_workload", WORKLOADS, ids=IDS)
+def test_recompute_only_under_half_the_peak_is_exact(make_workload, lineage_recorder):
+    work = make_workload()
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="recompute",
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    _check_within_budget(managed, budget)
+    assert managed.stats["recompute_count"] > 0 and managed.stats["drop_count"] > 0
+    assert managed.stats["swap_out_bytes"] == 0
