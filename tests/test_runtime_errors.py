@@ -122,3 +122,40 @@ def test_expandable_segments_cannot_change_after_the_allocator_exists():
             membudget.install(expandable_segments=False)
     finally:
         membudget.uninstall()
+
+
+def _gradient_penalty_step() -> None:
+    """A step whose second backward reads a graph saved during the first
+    (``create_graph=True``): no lineage is recorded in backward, so those
+    saved tensors cannot be recomputed, only swapped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(6)])
+    loss = model(torch.randn(512, 512)).square().sum()
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    sum((g * g).sum() for g in grads).backward()
+
+
+def test_oom_under_recompute_only_names_what_it_cannot_release():
+    """An OOM while resident saved tensors could not be replayed must not read
+    as membudget failing to evict them: the message says how many of the
+    evictable bytes MEMBUDGET_ACTIONS=recompute cannot release, and allowing
+    swap at the same budget runs."""
+    budget = 32 * MiB
+    membudget.install(budget=budget, actions="recompute", min_tensor_bytes=64 * 1024)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        _gradient_penalty_step()
+    message = str(info.value)
+    match = re.search(r"evictable (\S+ \S+) \(.*?; (\S+ \S+) of it not recomputable, which "
+                      r"MEMBUDGET_ACTIONS=recompute cannot release: allow swap\)", message)
+    assert match, message
+    assert match.group(2) != "0 B" and match.group(1) == match.group(2), message
+    del info
+    membudget.uninstall()
+    gc.collect()
+
+    membudget.install(budget=budget, actions="both", min_tensor_bytes=64 * 1024)
+    membudget.reset_peak_stats()
+    _gradient_penalty_step()
+    stats = membudget.memory_stats()
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["swap_out_bytes"] > 0

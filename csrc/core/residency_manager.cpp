@@ -927,8 +927,25 @@ std::string ResidencyManager::describe_evictable() const {
   std::unique_lock<std::recursive_mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return "evictable bytes unknown (residency manager busy)";
   ManagerStats s = stats();
+  // Under MEMBUDGET_ACTIONS=recompute an entry that cannot be replayed stays
+  // resident (the director allows it no action): without saying so, an OOM
+  // with "evictable 19 MiB" read as membudget failing to evict (GPT-2 with
+  // a gradient penalty, whose double-backward graph is saved during
+  // backward, where no lineage is recorded).
+  size_t unreleasable = 0;
+  if (!allowed_.swap) {
+    for (const ResidencyEntry* entry : entries_) {
+      if (is_evictable(entry) && entry->state_ == Residency::resident && !entry->recomputable_) {
+        unreleasable += entry->bytes();
+      }
+    }
+  }
   std::string text = "evictable " + format_bytes(s.evictable_bytes) + " (" +
-                     format_bytes(s.evictable_host_backed_bytes) + " already on host), in use by autograd/forward " +
+                     format_bytes(s.evictable_host_backed_bytes) + " already on host" +
+                     (unreleasable > 0 ? "; " + format_bytes(unreleasable) +
+                                             " of it not recomputable, which MEMBUDGET_ACTIONS=recompute cannot "
+                                             "release: allow swap" : std::string()) +
+                     "), in use by autograd/forward " +
                      format_bytes(s.in_use_bytes) + ", swapped to host " + format_bytes(s.host_bytes) +
                      ", dropped for recompute " + format_bytes(s.dropped_bytes) +
                      ", host tier " + format_bytes(host_tier_.stats().reserved_current) + " of " +
