@@ -550,6 +550,35 @@ void bind_lineage(pybind11::module_& m) {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     s.in_backward = true;
   }, "Backward has begun: the next recorded op starts a new forward.");
+  sub.def("release_if_idle", [] {
+    // Note [Lineage released between steps] (python/membudget/lineage.py):
+    // once backward has run and no managed entry is left, nothing recorded
+    // can be replayed, yet the nodes of the last forward hold its inputs
+    // (parameters, their gradients, the batch) for as long as a storage it
+    // made lives (the loss a loop keeps). The GIL is let go while the lock
+    // is held (Note [Recorder lock and the GIL]); what was held is dropped
+    // once both are back as they were.
+    RecorderState& s = state();
+    std::vector<std::shared_ptr<void>> released;
+    {
+      py::gil_scoped_release no_gil;
+      std::lock_guard<std::recursive_mutex> lock(s.mutex);
+      if (!s.in_backward || !live_entry_ids().empty()) return false;
+      for (auto& [impl, external] : s.externals) released.push_back(std::move(external));
+      for (auto& [impl, recorded] : s.by_storage) released.push_back(std::move(recorded.lineage));
+      for (auto& [id, lineage] : s.by_entry) released.push_back(std::move(lineage));
+      for (auto& [forward, writers] : s.writers) {
+        for (std::shared_ptr<OpNode>& writer : writers) released.push_back(std::move(writer));
+      }
+      s.externals.clear();
+      s.by_storage.clear();
+      s.by_entry.clear();
+      s.writers.clear();
+      ++s.epoch;
+    }
+    return true;
+  }, "After backward, with no managed entry left: let go of every recorded input and lineage "
+     "(Note [Lineage released between steps]). True when it released.");
   sub.def("trace", [](bool on) {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

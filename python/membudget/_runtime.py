@@ -314,6 +314,14 @@ def _without_lineage_mode(function):
     return wrapper
 
 
+def _release_lineage_at_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: the step ends a training step, the
+    recorder may let go of what its last forward held (Note [Lineage
+    released between steps] in ``lineage.py``)."""
+    if _lineage is not None and threading.get_ident() == _hooks_thread:
+        _lineage.release_if_idle()
+
+
 def _park_for_step(optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: the mode leaves the stack for the step."""
     global _parked_depth, _rearm_hook
@@ -360,7 +368,8 @@ def _wrap_autograd_entry_points() -> None:
     if _optimizer_hooks is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _optimizer_hooks = (register_optimizer_step_pre_hook(_park_for_step),
+        _optimizer_hooks = (register_optimizer_step_pre_hook(_release_lineage_at_step),
+                            register_optimizer_step_pre_hook(_park_for_step),
                             register_optimizer_step_post_hook(_unpark_after_step))
 
 

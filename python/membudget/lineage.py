@@ -69,15 +69,23 @@ _SCRATCH_ARGUMENTS = frozenset({"running_mean", "running_var"})
 # Ops that never need replaying and whose outputs are not tensors worth a node.
 _NOT_RECORDED = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"})
 _NO_KWARGS: Dict[str, Any] = {}  # shared by every node without keyword arguments: never mutated
+# Bumped each time Lineage.release_if_idle() lets go of what it held (Note
+# [Lineage released between steps]); a StorageLineage records the one it was
+# made in. Module-level: one recorder per process.
+_generation = 0
 
 
 class StorageLineage:
     """How one storage was computed (Note [Storage lineage])."""
 
-    __slots__ = ("producer", "index", "mutations", "base", "entry_id", "versions", "memo", "__weakref__")
+    __slots__ = ("producer", "index", "mutations", "base", "entry_id", "versions", "memo", "generation",
+                 "__weakref__")
 
     def __init__(self, producer: "OpNode", index: int, base: torch.Tensor):
         self.producer = producer
+        # Note [Lineage released between steps]: lineages of an older
+        # generation are read as held inputs, never replayed through.
+        self.generation = _generation
         self.index = index
         self.mutations: List[OpNode] = []
         self.base = weakref.ref(base)
@@ -190,7 +198,11 @@ class _FuncInfo:
         # A write to anything but the storage being rebuilt is a side effect;
         # those are replayed only on their own lineage (as mutations).
         self.replayable = namespace in _REPLAYABLE_NAMESPACES and len(unreplayable_writes) <= 1
-        self.recorded = schema.name not in _NOT_RECORDED
+        # Profiler markers (torch.autograd.profiler.record_function, around
+        # every optimizer step) compute nothing; recorded, the step's marker
+        # began a forward between backward and the step (Note [Lineage
+        # released between steps]).
+        self.recorded = schema.name not in _NOT_RECORDED and namespace != "profiler"
         self.scratch_positions = frozenset(
             i for i, arg in enumerate(schema.arguments) if arg.name in self.scratch)
         # The common case, handled without loops: one fresh tensor out, no writes.
@@ -255,6 +267,25 @@ class Lineage:
         live = set(self.native.live_entry_ids())
         self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
 
+    def release_if_idle(self) -> bool:
+        """Note [Lineage released between steps]: once backward has run and
+        no managed entry is left, nothing recorded can be replayed again, yet
+        the last forward's nodes still hold its inputs (parameters and their
+        gradients, the batch) for as long as any tensor it made lives (the
+        loss a training loop keeps): ``del model`` in a notebook freed
+        nothing until the next forward or ``uninstall()``. Lets go of them;
+        tensors made before are read as held inputs from then on. Called at
+        every optimizer step (``_runtime.py``). True when it released."""
+        global _generation
+        if not self.in_backward or self.native.live_entry_ids():
+            return False
+        for held in self.externals.values():
+            held.tensor = None
+        self.externals = {}
+        self.by_entry = {}
+        _generation += 1
+        return True
+
     def paused(self) -> bool:
         """True on this thread while a replay runs (its ops are not recorded)."""
         return getattr(self.local, "paused", False)
@@ -263,11 +294,13 @@ class Lineage:
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is StorageLineage:
-            if tensor._version == lineage.versions[-1]:
+            if tensor._version == lineage.versions[-1] and lineage.generation == _generation:
                 return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
             # Written where lineage could not see (no_grad code such as weight
-            # init, another thread): from here on it is an input we hold, like
-            # a parameter. Such tensors are long-lived buffers in practice.
+            # init, another thread), or made before the recorder let go of
+            # what it held (Note [Lineage released between steps]): from here
+            # on it is an input we hold, like a parameter. Such tensors are
+            # long-lived buffers in practice.
             delattr(tensor, _ATTR)
         held = self.externals.get(id(tensor))
         if held is None or held.tensor is not tensor:
@@ -404,7 +437,7 @@ class Lineage:
     def on_pack(self, handle, tensor: torch.Tensor) -> None:
         """Declares to the manager how a newly managed storage can be rebuilt."""
         lineage = getattr(tensor, _ATTR, None)
-        if type(lineage) is not StorageLineage or lineage.entry_id is not None:
+        if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
             return
         base = lineage.base()
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):

@@ -72,6 +72,12 @@ class NativeLineage:
         """Forward ops recorded since :meth:`start` (views included, as in Python)."""
         return self.recorder.ops_recorded()
 
+    def release_if_idle(self) -> bool:
+        """:meth:`membudget.lineage.Lineage.release_if_idle` (Note [Lineage
+        released between steps]): after backward, with no managed entry
+        left, lets go of every recorded input. True when it released."""
+        return self.recorder.release_if_idle()
+
     def note_unpack(self) -> None:
         """Backward has begun: the next recorded op starts a new forward."""
         self.recorder.note_backward()

@@ -71,6 +71,9 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if source is lineage:
                 continue  # the storage being rebuilt, replayed in order
             if type(source) is ExternalLineage:
+                if source.tensor is None:  # released (Note [Lineage released between steps])
+                    ok = False
+                    continue
                 if ref.scratch:
                     continue
                 externals.add(source.key)
@@ -195,6 +198,9 @@ class _Replayer:
         """A tensor whose storage holds ``ref``'s storage at ``ref.version``."""
         source = ref.lineage
         if type(source) is ExternalLineage:
+            if source.tensor is None:
+                raise RecomputeError("membudget: an input of a dropped activation was released with the step that "
+                                     "made it (Note [Lineage released between steps]); it cannot be recomputed")
             if not ref.scratch and source.tensor._version != ref.tensor_version:
                 raise RecomputeError(
                     "membudget: an input of a dropped activation was modified in place after forward "

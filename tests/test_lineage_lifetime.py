@@ -1,0 +1,91 @@
+"""What the lineage recorders hold, and for how long (Note [Lineage released
+between steps] in python/membudget/lineage.py): once a training step's
+backward has run and its optimizer steps, nothing recorded can be replayed,
+so nothing of that step may stay alive because of them; and a tensor made
+before that point and read by a later forward is an input like any other,
+with exact gradients."""
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import membudget
+from membudget._native import load_extension
+
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
+
+MiB = 1 << 20
+
+
+def test_deleting_the_model_after_training_frees_its_memory():
+    """A loop that keeps each step's detached loss (no .item(): no device
+    sync), as GPU loops do: the detached loss shares the loss's storage, whose
+    recorded lineage reached every parameter. The model's 16 MiB of
+    parameters stayed allocated after ``del model`` until the next forward or
+    uninstall()."""
+    membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+    optimizer = torch.optim.Adam(model.parameters())
+    history = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(torch.randn(256, 1024)).square().mean()
+        loss.backward()
+        optimizer.step()
+        history.append(loss.detach())
+    assert membudget.memory_stats()["allocated_bytes.all.current"] > 16 * MiB
+    del model, optimizer, loss
+    gc.collect()
+    assert membudget.memory_stats()["allocated_bytes.all.current"] < MiB
+    assert len(history) == 3
+
+
+class _ScaledOnce(nn.Module):
+    """Builds a scale tensor in its first forward (a recorded op, grad on)
+    and multiplies by it in every forward after: a storage made before a
+    step's release, read and saved (by the multiply) in later steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))
+        self.scale = None
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = torch.full((128, 256), 0.5).add(x.detach()[:128] * 0)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * self.scale
+        return x
+
+
+def _train(steps: int, managed: bool):
+    torch.manual_seed(0)
+    model = _ScaledOnce()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.randn(128, 256)).square().sum()
+        if managed:
+            load_extension().evict_all()  # every recomputable activation dropped, rebuilt in backward
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_tensor_made_before_a_step_is_read_as_an_input_after_it():
+    reference = _train(3, managed=False)
+    membudget.install(budget="256MiB", actions="recompute", min_tensor_bytes=64 * 1024)
+    try:
+        membudget.reset_counters()
+        managed = _train(3, managed=True)
+        stats = membudget.memory_stats()
+    finally:
+        membudget.uninstall()
+    assert managed[0] == reference[0]
+    for name, value in reference[1].items():
+        assert torch.equal(value, managed[1][name]), name
+    assert stats["recompute_count"] > 0
