@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from . import costs
-from .config import Percent, parse_bytes
+from .config import Percent, format_bytes, parse_bytes
 from .replay_program import backward_start_seconds, compile_program, host_seconds, op_durations
 from .trace import Trace
 
@@ -222,7 +222,7 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             floors[b] = compute_total + solution.overhead_s if solution.feasible else None
             done += 1
             if progress:
-                progress(done, total, f"floor at {b}")
+                progress(done, total, f"floor at {format_bytes(b)}")
     rows = []
     for name, b in jobs:
         strategy = "manager" if name not in BASELINES else name
@@ -244,5 +244,5 @@ def simulate(trace: Trace, budgets: Sequence[Union[int, str]], policies: Optiona
             error=str(r["error"]).splitlines()[0] if r["error"] else ""))
         done += 1
         if progress:
-            progress(done, total, f"{name} at {b}")
+            progress(done, total, f"{name} at {format_bytes(b)}")
     return rows
