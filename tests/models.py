@@ -23,17 +23,19 @@ def _token_batch(vocab: int, batch: int, seq: int) -> Callable[[], tuple]:
     return lambda: (torch.randint(0, vocab, (batch, seq)),)
 
 
+def _language_model(name: str, build: Callable[[], nn.Module], batch: int, seq: int) -> Workload:
+    """A transformers model trained on its own random tokens (vocabulary 256)
+    as labels: the loss its head computes."""
+    return Workload(name, build, _token_batch(256, batch, seq),
+                    lambda model, b: model(input_ids=b[0], labels=b[0]).loss)
+
+
 def gpt2(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=256, n_positions=seq, n_embd=64, n_layer=layers, n_head=4,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    return Workload(
-        "gpt2",
-        lambda: GPT2LMHeadModel(config),
-        _token_batch(256, batch, seq),
-        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
-    )
+    return _language_model("gpt2", lambda: GPT2LMHeadModel(config), batch, seq)
 
 
 def bert(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
@@ -42,12 +44,7 @@ def bert(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) 
     config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                         intermediate_size=256, max_position_embeddings=seq,
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    return Workload(
-        "bert",
-        lambda: BertForMaskedLM(config),
-        _token_batch(256, batch, seq),
-        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
-    )
+    return _language_model("bert", lambda: BertForMaskedLM(config), batch, seq)
 
 
 class LstmLanguageModel(nn.Module):
@@ -82,12 +79,7 @@ def llama(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                          attention_dropout=dropout)
-    return Workload(
-        "llama",
-        lambda: LlamaForCausalLM(config),
-        _token_batch(256, batch, seq),
-        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
-    )
+    return _language_model("llama", lambda: LlamaForCausalLM(config), batch, seq)
 
 
 def t5(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
@@ -97,12 +89,7 @@ def t5(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) ->
 
     config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=256, num_layers=layers, num_heads=4,
                       dropout_rate=dropout, decoder_start_token_id=0)
-    return Workload(
-        "t5",
-        lambda: T5ForConditionalGeneration(config),
-        _token_batch(256, batch, seq),
-        lambda model, b: model(input_ids=b[0], labels=b[0]).loss,
-    )
+    return _language_model("t5", lambda: T5ForConditionalGeneration(config), batch, seq)
 
 
 def vit(batch: int = 16, image: int = 64, layers: int = 2, dropout: float = 0.1) -> Workload:

@@ -20,31 +20,28 @@ WORKLOADS = [llama, t5, vit]
 IDS = ["llama", "t5", "vit"]
 
 
-def _check_within_budget(run, budget: int) -> None:
-    stats = run.stats
-    assert stats["reserved_bytes.all.peak"] <= budget
-    assert stats["num_ooms"] == 0
+def _under_half_the_peak(make_workload, actions: str):
+    """Trains the workload plain and under half its unmanaged peak with
+    ``actions``; checks the run is exact and within the budget; returns it."""
+    work = make_workload()
+    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions=actions,
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["num_ooms"] == 0
+    return managed
 
 
 @pytest.mark.parametrize("make_workload", WORKLOADS, ids=IDS)
 def test_swap_only_under_half_the_peak_is_exact(make_workload):
-    work = make_workload()
-    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
-    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="swap",
-                          min_tensor_bytes=MIN_TENSOR_BYTES)
-    assert_identical(reference, managed)
-    _check_within_budget(managed, budget)
+    managed = _under_half_the_peak(make_workload, "swap")
     assert managed.stats["swap_out_bytes"] > 0
     assert managed.stats["recompute_count"] == 0
 
 
 @pytest.mark.parametrize("make_workload", WORKLOADS, ids=IDS)
 def test_recompute_only_under_half_the_peak_is_exact(make_workload, lineage_recorder):
-    work = make_workload()
-    reference, budget = reference_and_half_peak(work, STEPS, MIN_TENSOR_BYTES)
-    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, actions="recompute",
-                          min_tensor_bytes=MIN_TENSOR_BYTES)
-    assert_identical(reference, managed)
-    _check_within_budget(managed, budget)
+    managed = _under_half_the_peak(make_workload, "recompute")
     assert managed.stats["recompute_count"] > 0 and managed.stats["drop_count"] > 0
     assert managed.stats["swap_out_bytes"] == 0
