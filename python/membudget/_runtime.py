@@ -227,7 +227,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     recompute = _recompute_callback(device, lambda entry_id: rebuild_entry(lineage, entry_id),
                                     lambda entry_id, stream: rebuild_entry_on_stream(lineage, entry_id, stream))
 
-    for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step):
+    for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step, _release_lineage_at_step):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
@@ -282,7 +282,7 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
 
     recompute = _recompute_callback(device, lineage.rebuild, lineage.rebuild_on_stream)
 
-    for function in (pack, unpack, recompute):
+    for function in (pack, unpack, recompute, _release_lineage_at_step):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
