@@ -9,7 +9,8 @@ tensors replaced by :class:`TensorRef` (which storage, at which version, with
 which view geometry), the measured duration, and the generator state for
 random ops (dropout replays bit-exactly). No tensor memory is held, except
 strong references to tensors that no recorded op produced (parameters, the
-batch), which the step keeps alive anyway.
+batch), which the step keeps alive anyway, and only until the step's
+optimizer step (Note [Lineage released between steps]).
 
 Note [Storage lineage]: residency is per storage (a saved tensor and its views
 share one entry), so lineage is too. A :class:`StorageLineage` says how a
