@@ -4,7 +4,8 @@ steps, ``backward(retain_graph=True)`` twice, and a gradient penalty
 (``autograd.grad(create_graph=True)``). Under half the unmanaged peak each
 must give plain PyTorch's losses and parameters bit for bit, within the
 budget, with activations actually dropped and rebuilt (or, for the penalty,
-whose double-backward graph is saved where no lineage is recorded, swapped)."""
+whose double-backward graph is saved where no lineage is recorded, swapped),
+under each lineage recorder."""
 import gc
 
 import pytest
@@ -14,7 +15,7 @@ import membudget
 
 from models import gpt2, llama
 
-pytestmark = pytest.mark.requires_native
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
 STEPS = 3
 MIN_TENSOR_BYTES = 16 * 1024
