@@ -13,6 +13,8 @@ from torch import nn
 import membudget
 from membudget._native import load_extension
 
+from training import assert_identical, run_managed, run_plain
+
 pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
 MiB = 1 << 20
@@ -60,32 +62,19 @@ class _ScaledOnce(nn.Module):
         return x
 
 
-def _train(steps: int, managed: bool):
-    torch.manual_seed(0)
-    model = _ScaledOnce()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        loss = model(torch.randn(128, 256)).square().sum()
-        if managed:
-            load_extension().evict_all()  # every recomputable activation dropped, rebuilt in backward
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+def _step(model, optimizer, managed: bool) -> float:
+    optimizer.zero_grad()
+    loss = model(torch.randn(128, 256)).square().sum()
+    if managed:
+        load_extension().evict_all()  # every recomputable activation dropped, rebuilt in backward
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def test_tensor_made_before_a_step_is_read_as_an_input_after_it():
-    reference = _train(3, managed=False)
-    membudget.install(budget="256MiB", actions="recompute", min_tensor_bytes=64 * 1024)
-    try:
-        membudget.reset_counters()
-        managed = _train(3, managed=True)
-        stats = membudget.memory_stats()
-    finally:
-        membudget.uninstall()
-    assert managed[0] == reference[0]
-    for name, value in reference[1].items():
-        assert torch.equal(value, managed[1][name]), name
-    assert stats["recompute_count"] > 0
+    reference = run_plain(_ScaledOnce, None, None, 3, step_fn=lambda m, o: _step(m, o, managed=False))
+    managed = run_managed(_ScaledOnce, None, None, 3, budget="256MiB", actions="recompute",
+                          min_tensor_bytes=64 * 1024, step_fn=lambda m, o: _step(m, o, managed=True))
+    assert_identical(reference, managed)
+    assert managed.stats["recompute_count"] > 0

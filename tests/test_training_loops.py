@@ -6,14 +6,11 @@ must give plain PyTorch's losses and parameters bit for bit, within the
 budget, with activations actually dropped and rebuilt (or, for the penalty,
 whose double-backward graph is saved where no lineage is recorded, swapped),
 under each lineage recorder."""
-import gc
-
 import pytest
 import torch
 
-import membudget
-
 from models import gpt2, llama
+from training import assert_identical, run_managed, run_plain
 
 pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
 
@@ -57,29 +54,6 @@ def _step(kind: str, model, optimizer, work) -> float:
     return loss.item()
 
 
-def _train(kind: str, work):
-    torch.manual_seed(0)
-    model = work.build()
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = [_step(kind, model, optimizer, work) for _ in range(STEPS)]
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _managed(kind: str, work, **install):
-    membudget.install(min_tensor_bytes=MIN_TENSOR_BYTES, **install)
-    membudget.reset_counters()
-    membudget.reset_peak_stats()
-    try:
-        result = _train(kind, work)
-        stats = membudget.memory_stats()
-    finally:
-        membudget.uninstall()
-        gc.collect()
-    # Clones made while installed: copied out of membudget's memory.
-    return result[0], {k: v.clone() for k, v in result[1].items()}, stats
-
-
 @pytest.mark.parametrize("kind, make_workload, actions", [
     ("autocast", llama, "recompute"),
     ("accumulate", gpt2, "recompute"),
@@ -89,13 +63,15 @@ def _managed(kind: str, work, **install):
 ])
 def test_training_loop_under_half_the_peak_is_exact(kind, make_workload, actions):
     work = make_workload()
-    reference = _train(kind, work)
-    unbudgeted = _managed(kind, work)
-    budget = unbudgeted[2]["reserved_bytes.all.peak"] // 2
-    losses, params, stats = _managed(kind, work, budget=budget, actions=actions)
-    assert losses == reference[0]
-    for name, value in reference[1].items():
-        assert torch.equal(value, params[name]), name
+    step_fn = lambda model, optimizer: _step(kind, model, optimizer, work)  # noqa: E731
+    reference = run_plain(work.build, work.batch, work.loss, STEPS, step_fn=step_fn)
+    unbudgeted = run_managed(work.build, work.batch, work.loss, STEPS, budget=None, step_fn=step_fn,
+                             min_tensor_bytes=MIN_TENSOR_BYTES)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, step_fn=step_fn,
+                          actions=actions, min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    stats = managed.stats
     assert stats["reserved_bytes.all.peak"] <= budget
     assert stats["num_ooms"] == 0
     if actions == "recompute":

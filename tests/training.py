@@ -21,10 +21,17 @@ class RunResult:
     per_step: List[Dict[str, float]] = field(default_factory=list)
 
 
+# One training step of a loop shaped otherwise (tests/test_training_loops.py):
+# step(model, optimizer) runs it whole and returns its loss.
+StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer], float]
+
+
 def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss_fn: Callable,
-          steps: int, seed: int = 0, after_step: Optional[Callable[[int], None]] = None) -> RunResult:
+          steps: int, seed: int = 0, after_step: Optional[Callable[[int], None]] = None,
+          step_fn: Optional[StepFn] = None) -> RunResult:
     """Seeded training: build model and optimizer, run `steps` steps of
-    forward, backward and Adam. Parameters are returned as clones made with
+    forward, backward and Adam (or of ``step_fn``, which then stands for
+    ``batch`` and ``loss_fn``). Parameters are returned as clones made with
     torch's own allocator so they survive uninstall."""
     torch.manual_seed(seed)
     model = build()
@@ -32,13 +39,16 @@ def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        inputs = batch()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, inputs)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        del loss, inputs
+        if step_fn is not None:
+            losses.append(step_fn(model, optimizer))
+        else:
+            inputs = batch()
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, inputs)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            del loss, inputs
         if after_step is not None:
             after_step(step)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -47,13 +57,14 @@ def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss
     return RunResult(losses, params)
 
 
-def run_plain(build, batch, loss_fn, steps: int) -> RunResult:
+def run_plain(build, batch, loss_fn, steps: int, step_fn: Optional[StepFn] = None) -> RunResult:
     """The unmanaged reference: nothing of membudget installed."""
     assert not membudget.is_installed()
-    return train(build, batch, loss_fn, steps)
+    return train(build, batch, loss_fn, steps, step_fn=step_fn)
 
 
-def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], **install_args) -> RunResult:
+def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], step_fn: Optional[StepFn] = None,
+                **install_args) -> RunResult:
     """The same run under membudget; returns its stats and per-step stats."""
     gc.collect()
     membudget.install(budget=budget if budget else None, **install_args)
@@ -61,7 +72,8 @@ def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], **inst
     membudget.reset_counters()
     membudget.reset_peak_stats()
     per_step = []
-    result = train(build, batch, loss_fn, steps, after_step=lambda _: per_step.append(membudget.memory_stats()))
+    result = train(build, batch, loss_fn, steps, after_step=lambda _: per_step.append(membudget.memory_stats()),
+                   step_fn=step_fn)
     result.stats = membudget.memory_stats()
     result.per_step = per_step
     membudget.uninstall()
