@@ -480,25 +480,40 @@ namespace {
 // Forgets what no live entry needs: after stop() only replays of entries
 // packed before it can still be asked for (saved activations outlive
 // uninstall()), and a stopped recorder must not keep the inputs it held
-// (parameters of a model long gone) alive.
-void forget_unneeded(RecorderState& s) {
+// (parameters of a model long gone) alive. What it held goes to `released`,
+// for the caller to drop once the lock is released (Note [Recorder lock and
+// the GIL]).
+void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& released) {
+  for (auto& [impl, recorded] : s.by_storage) released.push_back(std::move(recorded.lineage));
   s.by_storage.clear();
+  for (auto& [impl, external] : s.externals) released.push_back(std::move(external));
   s.externals.clear();
   std::vector<uint64_t> live = live_entry_ids();
   std::unordered_set<uint64_t> live_set(live.begin(), live.end());
   for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
-    it = live_set.count(it->first) == 0 ? s.by_entry.erase(it) : std::next(it);
+    if (live_set.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    released.push_back(std::move(it->second));
+    it = s.by_entry.erase(it);
   }
-  if (s.by_entry.empty()) s.writers.clear();
+  if (s.by_entry.empty()) {
+    for (auto& [forward, writers] : s.writers) {
+      for (std::shared_ptr<OpNode>& writer : writers) released.push_back(std::move(writer));
+    }
+    s.writers.clear();
+  }
   s.in_backward = true;
 }
 
 void start_recording() {
   if (t_handle) throw std::runtime_error("membudget: the C++ lineage recorder is already on for this thread");
   RecorderState& s = state();
+  std::vector<std::shared_ptr<void>> released;  // dropped after the lock
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    forget_unneeded(s);
+    forget_unneeded(s, released);
     s.ops_recorded = 0;
   }
   t_frames.clear();
@@ -519,8 +534,9 @@ void stop_recording() {
   t_blocking = 0;
   t_recording = false;
   RecorderState& s = state();
+  std::vector<std::shared_ptr<void>> released;  // dropped after the lock
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
-  forget_unneeded(s);
+  forget_unneeded(s, released);
 }
 
 }  // namespace
@@ -564,16 +580,7 @@ void bind_lineage(pybind11::module_& m) {
       py::gil_scoped_release no_gil;
       std::lock_guard<std::recursive_mutex> lock(s.mutex);
       if (!s.in_backward || !live_entry_ids().empty()) return false;
-      for (auto& [impl, external] : s.externals) released.push_back(std::move(external));
-      for (auto& [impl, recorded] : s.by_storage) released.push_back(std::move(recorded.lineage));
-      for (auto& [id, lineage] : s.by_entry) released.push_back(std::move(lineage));
-      for (auto& [forward, writers] : s.writers) {
-        for (std::shared_ptr<OpNode>& writer : writers) released.push_back(std::move(writer));
-      }
-      s.externals.clear();
-      s.by_storage.clear();
-      s.by_entry.clear();
-      s.writers.clear();
+      forget_unneeded(s, released);  // with no entry live: everything
       ++s.epoch;
     }
     return true;
