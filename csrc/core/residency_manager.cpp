@@ -117,8 +117,9 @@ void ResidencyManager::start_iteration() {
   // of about 1 ms became about 0.18 s (by the EMA's arithmetic), and with
   // it every horizon the prefetcher and the director derive from it.
   if (unpacks_this_backward_ > 1) {  // Note [Copy-in pace]
-    mean_unpack_interval_s_ = std::chrono::duration<double>(last_unpack_ - first_unpack_).count() /
-                              static_cast<double>(unpacks_this_backward_ - 1);
+    const double own_work = std::chrono::duration<double>(last_unpack_ - first_unpack_).count() -
+                            (paused_at_last_unpack_s_ - paused_at_first_unpack_s_);
+    mean_unpack_interval_s_ = std::max(own_work, 0.0) / static_cast<double>(unpacks_this_backward_ - 1);
   }
   unpacks_this_backward_ = 0;
   last_unpack_ = {};
@@ -548,8 +549,30 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   // Note [Replay inputs]: an input a replay reads is no unpack of backward's.
   const bool replay_input = replays_in_progress_ > 0;
   if (!replay_input) {
-    note_interval(unpack_interval_s_, last_unpack_);
-    if (unpacks_this_backward_++ == 0) first_unpack_ = last_unpack_;  // Note [Copy-in pace]
+    // Note [Pace of backward's own ops]: the pace between unpacks turns
+    // every predicted distance into time (the director's copy-in slack, the
+    // delta score's horizon, due prefetches), so it should measure what
+    // separates the unpacks in every iteration: backward's own ops. Waits
+    // for copies and on-demand replays in between are left out: they are
+    // what this iteration's evictions cost, and counted in, they fed those
+    // evictions back into the next iteration's choices. Measured in the
+    // simulator on a100-40gb, ResNet-50 batch 32 at 30%: a backward that
+    // stalled and replayed much measured a slow pace, so the next one found
+    // copy-ins hidden that were not, released host-backed activations it
+    // then waited for, and the two alternated (delta 80.6 / 88.6 / 88.6 ms
+    // at 2 / 3 / 4 steps; with the prefetcher also bringing back a dropped
+    // entry's host inputs, 107 / 69 / 108 ms); counted without them the pace
+    // is the same in every step and delta takes 71.8 ms from the second
+    // step on (dtr 70.0). A slower pace than the true one prices copy-ins
+    // hidden that come late; a faster one at most makes the director pick
+    // the other action (Note [Copy-in pace]). bench/RESULTS.md, "Lead,
+    // session 19".
+    note_interval(unpack_interval_s_, last_unpack_, paused_seconds() - paused_at_last_unpack_s_);
+    paused_at_last_unpack_s_ = paused_seconds();
+    if (unpacks_this_backward_++ == 0) {  // Note [Copy-in pace]
+      first_unpack_ = last_unpack_;
+      paused_at_first_unpack_s_ = paused_at_last_unpack_s_;
+    }
   }
   last_pack_ = {};
   if (!unpacked_since_pack_) backward_start_clock_ = clock_ - 1;  // the first unpack of a backward

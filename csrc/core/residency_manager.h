@@ -322,7 +322,11 @@ class ResidencyManager final : public Evictor {
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
   void note_copy_time(size_t bytes, double seconds);
-  void note_interval(double& ema, std::chrono::steady_clock::time_point& last);
+  // `paused` seconds of the gap since `last` are left out of the sample.
+  void note_interval(double& ema, std::chrono::steady_clock::time_point& last, double paused = 0.0);
+  // Waits for copies and on-demand replays so far (Note [Pace of backward's
+  // own ops]).
+  double paused_seconds() const { return blocked_seconds_ + replayed_seconds_; }
 
   Backend& backend_;
   CachingAllocator& device_;
@@ -355,12 +359,18 @@ class ResidencyManager final : public Evictor {
   // up), which recompute_total() adds to every replay it prices.
   double replay_overhead_s_ = 0.0;
   double blocked_seconds_ = 0.0;                  // waits for copies, all told (Note [Replay overhead])
+  // On-demand replays, all told, less the waits for copies within them
+  // (counted in blocked_seconds_): with those, the time between unpacks
+  // that is not backward's own work (Note [Pace of backward's own ops]).
+  double replayed_seconds_ = 0.0;
   std::chrono::steady_clock::time_point last_pack_{};
   std::chrono::steady_clock::time_point last_unpack_{};
+  double paused_at_last_unpack_s_ = 0.0;  // paused_seconds() then
   // The mean gap between unpacks of the last completed backward, and what
   // measures the current one (Note [Copy-in pace]).
   double mean_unpack_interval_s_ = 0.0;
   std::chrono::steady_clock::time_point first_unpack_{};
+  double paused_at_first_unpack_s_ = 0.0;
   int64_t unpacks_this_backward_ = 0;
   uint64_t packs_last_iteration_ = 0;
   // The largest request forward's evictions served, this iteration and the

@@ -185,11 +185,14 @@ void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded,
   }
   entry->state_ = Residency::resident;
   note_rebuilt(entry, seconds);
+  const double waits = blocked_seconds_ - entry->replay_blocked_start_s_;
+  // The outermost replay of a chain times the inner ones too (Note [Pace of
+  // backward's own ops]).
+  if (replays_in_progress_ == 0) replayed_seconds_ += std::max(seconds - waits, 0.0);
   if (entry->replay_chain_ > 0) {
     // Note [Replay overhead]: beyond the estimate and the waits for copies
     // in between (its inputs' swap-ins, its allocation's evictions: their
     // cost is priced where they are chosen), per replay of the chain.
-    const double waits = blocked_seconds_ - entry->replay_blocked_start_s_;
     const double sample = (seconds - waits - entry->replay_estimate_s_) / entry->replay_chain_;
     replay_overhead_s_ = (1.0 - kEmaWeight) * replay_overhead_s_ + kEmaWeight * sample;
     entry->replay_chain_ = 0;
@@ -230,10 +233,10 @@ void ResidencyManager::note_copy_time(size_t bytes, double seconds) {
   ema(link_bytes_per_s_, static_cast<double>(bytes) / seconds);
 }
 
-void ResidencyManager::note_interval(double& average, std::chrono::steady_clock::time_point& last) {
+void ResidencyManager::note_interval(double& average, std::chrono::steady_clock::time_point& last, double paused) {
   auto now = backend_.clock_now();
   if (last != std::chrono::steady_clock::time_point{}) {
-    double gap = std::chrono::duration<double>(now - last).count();
+    double gap = std::max(std::chrono::duration<double>(now - last).count() - paused, 0.0);
     if (gap < kMaxIntervalSeconds) ema(average, gap);
   }
   last = now;
