@@ -12,7 +12,9 @@ For GPT-2 the same run also has transformers' gradient checkpointing
 (``model.gradient_checkpointing_enable(use_reentrant=False)``, no membudget
 budget): its peak (membudget installed with no budget, which only counts) and
 its step time as a plain run, and then membudget ``delta``/``both`` with that
-peak as the budget, side by side.
+peak as the budget, side by side; and the checkpointed model itself under
+membudget (``delta+ckpt``: its regions run as plain code, Note [Checkpoint
+regions under a budget]) at that peak (``gc``) and at half of it (``gc/2``).
 
 Every configuration is a fresh process of this script (``--worker``), and
 plain-PyTorch runs alternate with the others (plain, run, run, plain, run, run,
@@ -62,6 +64,7 @@ WORKER_COMMAND = [sys.executable, str(Path(__file__).resolve())]
 POLICIES = ("delta", "dtr", "msps", "lru", "largest")
 FRACTIONS = (0.7, 0.5, 0.4)
 GC_SUFFIX = "-gc"  # a model name ending in this runs with gradient checkpointing
+CKPT_SCRIPT = "delta+ckpt"  # the row label of the checkpointed model under membudget (delta/both)
 
 
 def configurations(quick: bool) -> List[Tuple[float, str, str]]:
@@ -231,6 +234,12 @@ def bench_model(model: str, args) -> List[Dict[str, Any]]:
                 for policy in args.gc_policies:
                     bench.measure({"budget_label": "gc", "policy": policy, "actions": "both"},
                                   mode="managed", budget=gc_peak, policy=policy, actions="both")
+                # The checkpointed script itself under membudget, its regions run as plain code
+                # (Note [Checkpoint regions under a budget]): at the checkpointing peak, and at half
+                # of it, where checkpointing alone cannot run.
+                for label, budget in (("gc", gc_peak), ("gc/2", gc_peak // 2)):
+                    bench.measure({"budget_label": label, "policy": CKPT_SCRIPT, "actions": "both"},
+                                  model=gc_model, mode="managed", budget=budget, policy="delta", actions="both")
         bench.close()
     except RuntimeError as error:  # a plain run failed: the ratios after it mean nothing
         for row, _ in bench.pending:
@@ -364,6 +373,12 @@ def target_lines(rows: List[Dict[str, Any]]) -> List[str]:
                 met = "met" if delta_gc["ratio"] < gc_row["ratio"] else "MISSED"
             lines.append(f"{model} at the gradient-checkpointing peak: delta/both {ratio(delta_gc)} vs "
                          f"gradient checkpointing {ratio(gc_row)}: lower overhead {met}")
+        for label in ("gc", "gc/2"):
+            script = find(model, label, CKPT_SCRIPT, "both")
+            if script is not None:
+                same = "" if "error" in script else f", identical {'yes' if script['identical'] else 'NO'}"
+                lines.append(f"{model} with gradient checkpointing on, under membudget at "
+                             f"{'the' if label == 'gc' else 'half the'} checkpointing peak: {ratio(script)}{same}")
     return lines
 
 

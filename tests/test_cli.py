@@ -40,7 +40,11 @@ def isolated_process_state(monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     for variable in ("MEMBUDGET_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_PREFETCH_BYTES", "TEST_INSTALLED"):
-        monkeypatch.delenv(variable, raising=False)
+        # Set first so that monkeypatch records the old state (absent) and
+        # removes what run() sets: a bare delenv of an absent variable records
+        # nothing, and run()'s MEMBUDGET_BUDGET=2GiB leaked into later tests.
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
 
 
 @pytest.fixture

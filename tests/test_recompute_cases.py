@@ -59,9 +59,9 @@ def _assert_same(plain, managed, min_recomputes=1):
     assert managed[2]["recompute_count"] >= min_recomputes
 
 
-def _check(build, run=_backward, min_recomputes=1):
+def _check(build, run=_backward, min_recomputes=1, **install):
     plain = _grads(build, run)
-    managed = _grads(build, run, evict=True, actions="recompute")
+    managed = _grads(build, run, evict=True, actions="recompute", **install)
     _assert_same(plain, managed, min_recomputes)
     return managed[2]
 
@@ -140,8 +140,11 @@ class _Checkpointed(nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_model_using_torch_checkpoint(reentrant):
-    _check(lambda: _Checkpointed(reentrant))
+@pytest.mark.parametrize("mode", ["replace", "keep"])
+def test_model_using_torch_checkpoint(reentrant, mode):
+    # replace: non-reentrant regions run as plain code (Note [Checkpoint
+    # regions under a budget]); keep: torch's checkpoint inside a managed run.
+    _check(lambda: _Checkpointed(reentrant), checkpoint=mode)
 
 
 @pytest.mark.parametrize("actions", ["both", "recompute"])

@@ -12,7 +12,9 @@ thread. ``install()`` pushes them on the calling thread, the one that runs
 forward in ordinary training scripts (``membudget run`` calls it on the main
 thread before the script starts). Backward may run on other threads: unpack
 works from any thread. Non-reentrant ``torch.utils.checkpoint`` regions push
-their own hooks, which win inside them (innermost wins).
+their own hooks, which win inside them (innermost wins); under a budget they
+run as plain code instead (Note [Checkpoint regions under a budget] in
+``_checkpoint_regions.py``).
 
 When recomputation is allowed (``MEMBUDGET_ACTIONS`` ``recompute`` or
 ``both``), ``install()`` also enters :class:`~membudget.lineage.LineageMode`
@@ -51,6 +53,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from . import _checkpoint_regions
 from .config import Config, resolve_lineage, resolve_recompute_ahead
 from ._native import load_extension
 
@@ -101,6 +104,7 @@ def install(
     expandable_segments: Optional[bool] = None,
     recompute_ahead: Optional[Union[str, bool]] = None,
     lineage: Optional[str] = None,
+    checkpoint: Optional[str] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -131,6 +135,13 @@ def install(
     C++ recorder) or ``"auto"`` (C++ on the CPU, Python on CUDA:
     :func:`membudget.config.resolve_lineage`); default ``MEMBUDGET_LINEAGE``.
 
+    ``checkpoint`` (``"replace"``, the default, or ``"keep"``; default
+    ``MEMBUDGET_CHECKPOINT``): with ``"replace"`` and a budget, non-reentrant
+    ``torch.utils.checkpoint`` regions on this thread run as plain forward
+    code, so that membudget can evict their activations (Note [Checkpoint
+    regions under a budget] in ``_checkpoint_regions.py``); the results are
+    the same.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -148,6 +159,7 @@ def install(
         expandable_segments=expandable_segments,
         recompute_ahead=recompute_ahead,
         lineage=lineage,
+        checkpoint=checkpoint,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -181,6 +193,10 @@ def install(
             _pop_hooks()
         _push_hooks(native, config, plan, target, recording=config.records_lineage and budget_bytes > 0)
         _hooks_thread = threading.get_ident()
+        if budget_bytes > 0 and config.checkpoint == "replace":
+            _checkpoint_regions.replace_regions()
+        else:
+            _checkpoint_regions.keep_regions()
     return config
 
 
@@ -417,6 +433,7 @@ def uninstall() -> None:
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
             _pop_hooks()
             _hooks_thread = None
+        _checkpoint_regions.keep_regions()
         native.uninstall_runtime()
 
 

@@ -36,6 +36,8 @@ _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
      "1 (default): device memory in growing virtual ranges; 0: fixed segments"),
     ("--recompute-ahead", "MEMBUDGET_RECOMPUTE_AHEAD",
      "auto (default), 1 or 0: replay dropped activations ahead of use within the prefetch window"),
+    ("--checkpoint", "MEMBUDGET_CHECKPOINT",
+     "replace (default): run torch.utils.checkpoint regions as plain code under a budget; keep"),
 )
 _VALUE_FLAGS = frozenset(flag for flag, _, _ in _RUN_SETTINGS)
 

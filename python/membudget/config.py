@@ -77,6 +77,18 @@ Variables
     is on where the benchmarks showed it pays: see
     :func:`resolve_recompute_ahead`.
 
+``MEMBUDGET_CHECKPOINT``
+    ``replace`` (default) or ``keep``. With ``replace``, while a budget is set,
+    non-reentrant ``torch.utils.checkpoint`` regions (the default mode, and
+    transformers' ``gradient_checkpointing_enable()``) with the default
+    ``context_fn`` run as plain forward code on the thread that called
+    ``install()``: their activations are saved through membudget, which
+    swaps or drops them as the budget requires, instead of being held by the
+    checkpoint where nothing can evict them. Results are the same (the
+    checkpoint would replay the same ops under the same RNG state). ``keep``
+    leaves every checkpoint as PyTorch runs it (docs/recompute.md,
+    "Gradient checkpointing under a budget").
+
 ``MEMBUDGET_BUILD_DIR``, ``MEMBUDGET_BUILD_JOBS`` and ``MEMBUDGET_WITH_CUDA``
 are build-time variables read by ``setup.py`` (which cannot import this
 package); they are listed in :data:`BUILD_VARIABLES` only so that they are not
@@ -123,6 +135,7 @@ POLICIES: Tuple[str, ...] = ("delta", "dtr", "msps", "lru", "largest")
 ACTIONS: Tuple[str, ...] = ("swap", "recompute", "both")
 LOG_CHANNELS: Tuple[str, ...] = ("decisions", "evictions", "prefetch", "summary")
 RECORDERS: Tuple[str, ...] = ("auto", "python", "cxx")
+CHECKPOINT_MODES: Tuple[str, ...] = ("replace", "keep")
 BUILD_VARIABLES: Tuple[str, ...] = (
     "MEMBUDGET_BUILD_DIR",
     "MEMBUDGET_BUILD_JOBS",
@@ -387,6 +400,13 @@ def resolve_lineage(setting: str, device_type: str) -> str:
     return setting
 
 
+def _parse_checkpoint(value: str, label: str) -> str:
+    mode = str(value).strip().lower()
+    if mode not in CHECKPOINT_MODES:
+        raise ConfigError(f"{label}={value!r} is not a checkpoint mode: use {' or '.join(CHECKPOINT_MODES)}")
+    return mode
+
+
 def _parse_log(value: Union[str, Iterable[str]], label: str) -> FrozenSet[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     channels = {str(item).strip().lower() for item in items} - {""}
@@ -488,6 +508,14 @@ VARIABLES: Tuple[Variable, ...] = (
         "prefetch window; `auto`: on for CUDA, off on the CPU (where the bench showed no gain).",
         _parse_recompute_ahead,
     ),
+    Variable(
+        "MEMBUDGET_CHECKPOINT", "checkpoint", "replace",
+        "`replace`, `keep`",
+        "`replace`: while a budget is set, non-reentrant `torch.utils.checkpoint` regions (default "
+        "`context_fn`) run as plain forward code, so membudget can swap or drop their activations; "
+        "`keep`: checkpoints run as PyTorch does them.",
+        _parse_checkpoint,
+    ),
 )
 _BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
 _BY_FIELD: Dict[str, Variable] = {variable.field: variable for variable in VARIABLES}
@@ -539,6 +567,7 @@ class Config:
     log: FrozenSet[str] = frozenset()
     expandable_segments: bool = True
     recompute_ahead: str = "auto"
+    checkpoint: str = "replace"
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "Config":
@@ -547,7 +576,7 @@ class Config:
         Override keywords are the field names (``budget``, ``host_budget_bytes``
         or ``host_budget``, ``policy``, ``actions``, ``lineage``, ``min_tensor_bytes``,
         ``prefetch_bytes``, ``high_watermark``, ``log``,
-        ``expandable_segments``, ``recompute_ahead``) and take the same
+        ``expandable_segments``, ``recompute_ahead``, ``checkpoint``) and take the same
         strings as the variables, or ints / floats / channel iterables. Unknown
         ``MEMBUDGET_*`` variables draw a warning; a bad value raises
         :class:`ConfigError` naming the variable (or keyword) and the value."""
@@ -624,6 +653,9 @@ def describe(config: Config) -> str:
         ("recompute ahead", config.recompute_ahead if config.recompute_ahead != "auto"
          else "auto (" + ", ".join(f"{d} {'on' if v else 'off'}" for d, v in RECOMPUTE_AHEAD_AUTO.items()) + ")",
          "MEMBUDGET_RECOMPUTE_AHEAD"),
+        ("checkpoint regions", "replaced by plain forward code while a budget is set"
+         if config.checkpoint == "replace" else "kept (torch.utils.checkpoint as PyTorch runs it)",
+         "MEMBUDGET_CHECKPOINT"),
     ]
     width = max(len(label) for label, _, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}  [{name}]" for label, value, name in rows)

@@ -1,0 +1,91 @@
+"""Gradient checkpointing under a budget: checkpoint regions run as plain code.
+
+Where this sits in the flow: ``install()`` calls :func:`replace_regions` when a
+budget is set and ``MEMBUDGET_CHECKPOINT`` is ``replace`` (the default), and
+:func:`keep_regions` otherwise and at ``uninstall()``.
+
+Note [Checkpoint regions under a budget]: a non-reentrant
+``torch.utils.checkpoint`` region pushes its own saved-tensor hooks, which win
+over membudget's inside it (innermost wins). In backward it runs the region
+again and holds every tensor it saved until backward reads it, in its own
+frame, where no membudget hook sees it: nothing there can be swapped or
+dropped. So a model with gradient checkpointing on could fit less under a
+budget than the same model without it: transformers' GPT-2 (tests' config)
+trained in 10.29 MiB with checkpointing off (70 MiB swapped, 3 replays) and ran
+out of memory with it on ("evictable 0 B"). Under a budget membudget already
+decides, per tensor, what to drop and replay (or swap) and only where the
+budget needs it, so the region runs as plain forward code instead: its
+activations are saved through membudget like any others. The results are the
+same: the checkpoint would replay the very ops, under the RNG state it
+restores, and forward consumes the same random numbers either way
+(tests/test_checkpoint_regions.py compares losses and parameters bit for bit
+against the plain checkpointed run).
+
+Only regions with the default ``context_fn`` are replaced: a custom one
+(selective activation checkpointing) chooses what to keep, which is the
+user's plan, not ours. Reentrant checkpoints (``use_reentrant=True``) are left
+as they are: they save their inputs through membudget's hooks and re-run the
+region inside backward, where what they save is packed by membudget too; and
+running one as plain code would change which gradients exist when no input
+requires grad. Only the thread that called ``install()`` is affected, since
+only it has membudget's hooks (Note [Hooks are per thread] in _runtime.py),
+and only ``torch.utils.checkpoint.checkpoint`` (and what calls it, such as
+``checkpoint_sequential``): ``torch.distributed._composable.checkpoint``
+holds its own reference to torch's generator.
+``torch.compile`` does not call the patched function: Dynamo turns a
+checkpoint into its own higher-order op before it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch.utils.checkpoint as _torch_checkpoint
+
+__all__ = ["replace_regions", "keep_regions", "regions_replaced"]
+
+_GENERATOR = "_checkpoint_without_reentrant_generator"
+_original = None                    # torch's generator while ours stands in for it
+_thread: Optional[int] = None       # the thread whose regions run as plain code
+
+
+def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
+    """Stands in for torch's non-reentrant checkpoint generator, which
+    ``checkpoint()`` calls with these leading arguments: on the install thread
+    and with the default ``context_fn`` it sets nothing up (``checkpoint()``
+    then simply calls ``function``); elsewhere it is torch's."""
+    original = _original
+    if original is None or threading.get_ident() != _thread or context_fn is not _torch_checkpoint.noop_context_fn:
+        original = original or getattr(_torch_checkpoint, _GENERATOR)
+        yield from original(function, preserve_rng_state, context_fn, *args, **kwargs)
+        return
+    yield
+
+
+def replace_regions() -> bool:
+    """Run non-reentrant checkpoint regions on the calling thread as plain
+    forward code (Note [Checkpoint regions under a budget]). Returns False,
+    changing nothing, where this torch has no such generator to stand in for."""
+    global _original, _thread
+    if _original is None:
+        original = getattr(_torch_checkpoint, _GENERATOR, None)
+        if original is None:
+            return False
+        _original = original
+        setattr(_torch_checkpoint, _GENERATOR, _plain_region)
+    _thread = threading.get_ident()
+    return True
+
+
+def keep_regions() -> None:
+    """Give torch its own checkpoint generator back (a no-op when it has it)."""
+    global _original, _thread
+    if _original is not None:
+        setattr(_torch_checkpoint, _GENERATOR, _original)
+    _original = None
+    _thread = None
+
+
+def regions_replaced() -> bool:
+    """True while checkpoint regions on the install thread run as plain code."""
+    return _original is not None

@@ -1,0 +1,124 @@
+"""Gradient checkpointing under a budget (Note [Checkpoint regions under a
+budget] in python/membudget/_checkpoint_regions.py): a model with
+transformers' gradient checkpointing on must train under half its own peak,
+bit for bit as the plain checkpointed run, where keeping torch's checkpoint
+runs out of memory; and only the regions membudget can stand in for are
+replaced, only while a budget is set."""
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import membudget
+
+from models import gpt2
+from training import assert_identical, run_managed, run_plain
+
+pytestmark = pytest.mark.requires_native
+
+STEPS = 3
+MIN_TENSOR_BYTES = 16 * 1024
+TORCH_GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
+
+
+def _checkpointed_gpt2():
+    work = gpt2()
+
+    def build():
+        model = work.build()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    return work, build
+
+
+@pytest.mark.usefixtures("lineage_recorder")
+def test_checkpointed_model_trains_under_half_its_peak():
+    work, build = _checkpointed_gpt2()
+    reference = run_plain(build, work.batch, work.loss, STEPS)
+    unbudgeted = run_managed(build, work.batch, work.loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+
+    # What the checkpoint holds in its own frame cannot be evicted.
+    with pytest.raises(torch.OutOfMemoryError, match="evictable"):
+        try:
+            run_managed(build, work.batch, work.loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
+                        checkpoint="keep")
+        finally:
+            membudget.uninstall()
+
+    managed = run_managed(build, work.batch, work.loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["swap_out_bytes"] > 0 or managed.stats["recompute_count"] > 0
+    assert torch_checkpoint._checkpoint_without_reentrant_generator is TORCH_GENERATOR
+
+
+def test_regions_are_replaced_only_while_a_budget_is_set():
+    def replaced():
+        return torch_checkpoint._checkpoint_without_reentrant_generator is not TORCH_GENERATOR
+
+    try:
+        membudget.install(budget=None)
+        assert not replaced()  # without a budget the checkpoint is the only thing saving memory
+        membudget.install(budget="1GiB")
+        assert replaced()
+        membudget.install(budget="1GiB", checkpoint="keep")
+        assert not replaced()
+        membudget.install(budget="1GiB")
+        assert replaced()
+    finally:
+        membudget.uninstall()
+    assert not replaced()
+
+
+def test_bad_checkpoint_mode_is_refused():
+    with pytest.raises(membudget.ConfigError, match="MEMBUDGET_CHECKPOINT='later'.*replace or keep"):
+        membudget.Config.from_env({"MEMBUDGET_CHECKPOINT": "later"})
+
+
+class _CountedRegion(torch.nn.Module):
+    """A checkpointed region that counts how often its forward runs: once
+    when it runs as plain code, twice when the checkpoint replays it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+        self.runs = 0
+
+    def body(self, x):
+        self.runs += 1
+        return self.inner(x)
+
+
+def _region_runs(**checkpoint_args) -> int:
+    torch.manual_seed(0)
+    region = _CountedRegion()
+    x = torch.randn(64, 256, requires_grad=True)
+    torch_checkpoint.checkpoint(region.body, x, **checkpoint_args).square().sum().backward()
+    assert x.grad is not None and region.inner[0].weight.grad is not None
+    return region.runs
+
+
+def _selective_context():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def test_only_default_non_reentrant_regions_on_the_install_thread_run_plain():
+    membudget.install(budget="1GiB", min_tensor_bytes=0)
+    try:
+        assert _region_runs(use_reentrant=False) == 1
+        # A custom context_fn is the user's own plan of what to keep.
+        assert _region_runs(use_reentrant=False, context_fn=_selective_context) == 2
+        assert _region_runs(use_reentrant=True) == 2
+        # Another thread has none of membudget's hooks: its regions stay checkpoints.
+        runs = []
+        thread = threading.Thread(target=lambda: runs.append(_region_runs(use_reentrant=False)))
+        thread.start()
+        thread.join()
+        assert runs == [2]
+    finally:
+        membudget.uninstall()
+    assert _region_runs(use_reentrant=False) == 2
