@@ -645,6 +645,36 @@ def test_backward_pace_does_not_count_the_forward():
     assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
 
 
+def test_backward_pace_leaves_out_replays():
+    # Note [Pace of backward's own ops]. As above, but X (10 MB) is unpacked
+    # after V, so the first iteration's 0.15 s replay of V falls between two
+    # of its unpacks (0.02 s of backward's own work apart). Taken as a sample
+    # of the pace, it made V's use one unpack away look 0.06 s off in the
+    # second iteration: the 0.1 s copy-in then looked 0.04 s short of
+    # hidden, the swap 0.14 s, below the 0.15 s replay, and V was swapped: a
+    # 0.1 s copy out and, with no prefetch, a 0.1 s copy in at its unpack.
+    # At backward's own pace (0.02 s) the swap costs 0.18 s and V is dropped
+    # again.
+    size = 100_000_000
+    prog = Program(tensor_bytes=[size, 10_000_000, size, size, 10_000_000])  # V, W, A, temporary, X
+    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 6
+    for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05), (4, 0.05)):
+        _save(prog, t, seconds)
+    prog.emit(Code.UNPACK, 2)
+    _temporary(prog, 3, 0.02)
+    prog.emit(Code.FREE, 2)
+    for t in (1, 0, 4):
+        _use(prog, t, 0.02)
+    from membudget._native import load_extension
+
+    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
+                                    1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
+                                    prog.replay_input_offsets, prog.replay_inputs)
+    assert r["feasible"] and r["eviction_count"] == 1
+    assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
+
+
 def _lineage_replay(prog, budget, actions, iterations=2, policy="delta", **options):
     """``iterations`` through the manager with ``prog``'s replays declared and
     ``actions`` allowed (1 GB/s link, no prefetch, no watermark), measuring
