@@ -614,63 +614,53 @@ def test_the_calibrated_host_model_has_a_rate_per_copy_size():
     assert costs.device_model("h200").link_rate_by_size == ()
 
 
-def test_backward_pace_does_not_count_the_forward():
-    # Note [Unpack pace]. Forward saves V (100 MB, replayable in 0.15 s), W
-    # (10 MB) and A (100 MB) in 0.2 s; backward unpacks A, W, V 0.02 s apart,
-    # and a 100 MB temporary at A's unpack must evict V (budget 250 MB, 1
-    # GB/s link). V is needed one unpack later, 0.02 s at backward's pace:
-    # swapping costs its 0.1 s copy out plus the 0.08 s of its 0.1 s copy in
-    # that the 0.02 s cannot hide, more than the 0.15 s replay, so it is
-    # dropped. Were the gap from the last backward's last unpack to this
-    # one's first (0.22 s, a whole forward) taken as a sample of the pace,
-    # it would read 0.07 s, the swap would look like 0.13 s and win, and cost
-    # more than the replay.
+def _pace_replay(unpack_x_after_v: bool):
+    """Forward saves V (100 MB, replayable in 0.15 s), W (10 MB), A (100 MB)
+    and, if ``unpack_x_after_v``, X (10 MB); backward unpacks A, W, V (then X)
+    0.02 s apart, and a 100 MB temporary at A's unpack must evict V (budget
+    250 MB, 1 GB/s link, no prefetch). Two iterations, the second measured."""
     size = 100_000_000
-    prog = Program(tensor_bytes=[size, 10_000_000, size, size])  # V, W, A, temporary
-    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0]
-    prog.replay_input_offsets = [0, 0, 0, 0, 0]
-    for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05)):
+    prog = Program(tensor_bytes=[size, 10_000_000, size, size, 10_000_000])  # V, W, A, temporary, X
+    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 6
+    saved = ((0, 0.1), (1, 0.05), (2, 0.05)) + (((4, 0.05),) if unpack_x_after_v else ())
+    for t, seconds in saved:
         _save(prog, t, seconds)
     prog.emit(Code.UNPACK, 2)
     _temporary(prog, 3, 0.02)
     prog.emit(Code.FREE, 2)
-    for t in (1, 0):
+    for t in (1, 0, 4) if unpack_x_after_v else (1, 0):
         _use(prog, t, 0.02)
     from membudget._native import load_extension
 
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
-                                    1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
-                                    prog.replay_input_offsets, prog.replay_inputs)
+    return load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
+                                       1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
+                                       prog.replay_input_offsets, prog.replay_inputs)
+
+
+def test_backward_pace_does_not_count_the_forward():
+    # Note [Unpack pace]. V is needed one unpack after the eviction, 0.02 s
+    # at backward's pace: swapping costs its 0.1 s copy out plus the 0.08 s
+    # of its 0.1 s copy in that the 0.02 s cannot hide, more than the 0.15 s
+    # replay, so it is dropped. Were the gap from the last backward's last
+    # unpack to this one's first (0.22 s, a whole forward) taken as a sample
+    # of the pace, it would read 0.07 s, the swap would look like 0.13 s and
+    # win, and cost more than the replay.
+    r = _pace_replay(unpack_x_after_v=False)
     assert r["feasible"] and r["eviction_count"] == 1
     assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
 
 
 def test_backward_pace_leaves_out_replays():
-    # Note [Pace of backward's own ops]. As above, but X (10 MB) is unpacked
-    # after V, so the first iteration's 0.15 s replay of V falls between two
-    # of its unpacks (0.02 s of backward's own work apart). Taken as a sample
-    # of the pace, it made V's use one unpack away look 0.06 s off in the
-    # second iteration: the 0.1 s copy-in then looked 0.04 s short of
-    # hidden, the swap 0.14 s, below the 0.15 s replay, and V was swapped: a
-    # 0.1 s copy out and, with no prefetch, a 0.1 s copy in at its unpack.
-    # At backward's own pace (0.02 s) the swap costs 0.18 s and V is dropped
-    # again.
-    size = 100_000_000
-    prog = Program(tensor_bytes=[size, 10_000_000, size, size, 10_000_000])  # V, W, A, temporary, X
-    prog.replay_seconds = [0.15, 0.0, 0.0, 0.0, 0.0]
-    prog.replay_input_offsets = [0] * 6
-    for t, seconds in ((0, 0.1), (1, 0.05), (2, 0.05), (4, 0.05)):
-        _save(prog, t, seconds)
-    prog.emit(Code.UNPACK, 2)
-    _temporary(prog, 3, 0.02)
-    prog.emit(Code.FREE, 2)
-    for t in (1, 0, 4):
-        _use(prog, t, 0.02)
-    from membudget._native import load_extension
-
-    r = load_extension().sim.replay(prog.tensor_bytes, prog.codes, prog.tensors, prog.seconds, 0, 250_000_000,
-                                    1 << 40, 1e9, True, "delta", 0, 1.0, 2, "both", prog.replay_seconds,
-                                    prog.replay_input_offsets, prog.replay_inputs)
+    # Note [Pace of backward's own ops]. As above, but X is unpacked after V,
+    # so the first iteration's 0.15 s replay of V falls between two of its
+    # unpacks (0.02 s of backward's own work apart). Taken as a sample of the
+    # pace, it made V's use one unpack away look 0.06 s off in the second
+    # iteration: the 0.1 s copy-in then looked 0.04 s short of hidden, the
+    # swap 0.14 s, below the 0.15 s replay, and V was swapped: a 0.1 s copy
+    # out and, with no prefetch, a 0.1 s copy in at its unpack. At backward's
+    # own pace (0.02 s) the swap costs 0.18 s and V is dropped again.
+    r = _pace_replay(unpack_x_after_v=True)
     assert r["feasible"] and r["eviction_count"] == 1
     assert r["recompute_count"] == 1 and r["swap_in_bytes"] == 0
 
