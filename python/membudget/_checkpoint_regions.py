@@ -31,7 +31,9 @@ requires grad. Only the thread that called ``install()`` is affected, since
 only it has membudget's hooks (Note [Hooks are per thread] in _runtime.py),
 and only ``torch.utils.checkpoint.checkpoint`` (and what calls it, such as
 ``checkpoint_sequential``): ``torch.distributed._composable.checkpoint``
-holds its own reference to torch's generator.
+imports the generator by name, so it keeps whichever one was in place when it
+was imported (ours, imported while installed, hands over to torch's once
+uninstalled).
 ``torch.compile`` does not call the patched function: Dynamo turns a
 checkpoint into its own higher-order op before it.
 """
@@ -42,7 +44,7 @@ from typing import Optional
 
 import torch.utils.checkpoint as _torch_checkpoint
 
-__all__ = ["replace_regions", "keep_regions", "regions_replaced"]
+__all__ = ["replace_regions", "keep_regions"]
 
 _GENERATOR = "_checkpoint_without_reentrant_generator"
 _original = None                    # torch's generator while ours stands in for it
@@ -84,8 +86,3 @@ def keep_regions() -> None:
         setattr(_torch_checkpoint, _GENERATOR, _original)
     _original = None
     _thread = None
-
-
-def regions_replaced() -> bool:
-    """True while checkpoint regions on the install thread run as plain code."""
-    return _original is not None
