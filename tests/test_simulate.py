@@ -1171,6 +1171,54 @@ def test_backward_passes_over_one_fitting_victim_that_costs_more():
     assert r["eviction_count"] == 2 and r["stall_s"] == pytest.approx(0.02), r
 
 
+def _forward_fit_program(b_replay_seconds):
+    """Forward saves H1, H2, H3 (11 MB each, replayable in 1 ms), B (30 MB,
+    replayable in ``b_replay_seconds``; 0: not at all) and a small S under
+    an 80 MB budget; then a 30 MB temporary finds 16 MB free (2 MiB pages),
+    and only B fits it alone. Backward uses S, B, then the H."""
+    MB = 1_000_000
+    prog = Program(tensor_bytes=[11 * MB] * 3 + [30 * MB, MB, 30 * MB])  # H1, H2, H3, B, S, temporary
+    prog.replay_seconds = [0.001] * 3 + [b_replay_seconds, 0.0, 0.0]
+    prog.replay_input_offsets = [0] * 7
+    for t in range(5):
+        _save(prog, t, 0.01)
+    _temporary(prog, 5, 0.01)
+    for t in (4, 3, 2, 1, 0):
+        _use(prog, t, 0.1)
+    return prog
+
+
+@pytest.mark.parametrize("b_replay_seconds", [0.0, 0.002])
+def test_forward_passes_over_one_fitting_victim_it_must_copy_out(b_replay_seconds):
+    # Note [A copy on the allocation path]. B is the only victim that fits
+    # the temporary alone. Not recomputable, releasing it meant a 30 ms
+    # copy-out on the allocation path (1 GB/s) where dropping the three H
+    # costs 3 ms of replay: they go instead, and nothing waits. A B that
+    # replays in 2 ms is dropped, not copied, and is still the one taken:
+    # only victims that must be copied out are passed over.
+    MB = 1_000_000
+    r = _lineage_replay(_forward_fit_program(b_replay_seconds), 80 * MB, "both", copies_ahead=False)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 80 * MB, r
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-9) and r["swap_out_bytes"] == 0, r
+    if b_replay_seconds == 0.0:
+        assert r["recompute_count"] == 3 and r["recompute_s"] == pytest.approx(0.003), r
+    else:
+        assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.002), r
+
+
+def test_decision_log_names_each_wait_for_a_copy(capfd):
+    # MEMBUDGET_LOG=decisions names every copy an eviction waited for, so
+    # that a step's stall outside the unpacks can be read off the log: with
+    # swap only, the temporary copies B out on the allocation path (30 ms at
+    # 1 GB/s, both iterations); the waits logged are the stall measured.
+    MB = 1_000_000
+    r = _lineage_replay(_forward_fit_program(0.0), 80 * MB, "swap", copies_ahead=False, log_decisions=True)
+    waits = [float(line.split()[2].removesuffix("ms")) / 1e3 for line in capfd.readouterr().err.splitlines()
+             if line.startswith("membudget: waited ")]
+    assert r["feasible"] and r["stall_s"] - r["unpack_stall_s"] > 0.0, r
+    assert len(waits) == 2 and waits[-1] == pytest.approx(r["stall_s"] - r["unpack_stall_s"], abs=1e-6), (waits, r)
+
+
 @pytest.mark.parametrize("compute_copy_share, total", [(1.0, 0.1), (0.5, 0.15), (0.25, 0.175)])
 def test_compute_beside_a_copy_runs_at_the_compute_copy_share(compute_copy_share, total):
     # Note [Compute beside a copy]. 100 MB out at 1 GB/s (0.1 s, the copy's

@@ -272,6 +272,8 @@ class ResidencyManager final : public Evictor {
   // what a request misses beyond the memory free now (Note [One victim that
   // costs more]).
   static double cost_to_cover(const std::vector<EvictionCandidate>& ordered, size_t bytes);
+  // Whether releasing c waits for a copy to host (Note [A copy on the allocation path]).
+  static bool copies_before_release(const EvictionCandidate& c);
   // Records an eviction request for the next iteration's background target
   // (Note [Requests to come]).
   void note_request(size_t bytes_needed, size_t freed);
@@ -321,6 +323,8 @@ class ResidencyManager final : public Evictor {
   size_t drop_for_recompute(ResidencyEntry* entry);
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
+  // MEMBUDGET_LOG=decisions: an eviction waited `seconds` for `copy`.
+  void log_copy_wait(const ResidencyEntry* entry, double seconds, const char* copy) const;
   void note_copy_time(size_t bytes, double seconds);
   // `paused` seconds of the gap since `last` are left out of the sample.
   void note_interval(double& ema, std::chrono::steady_clock::time_point& last, double paused = 0.0);

@@ -152,7 +152,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
 
 size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   if (entry->state_ == Residency::swapping_out) {
-    wait_blocked(entry->copy_event_);
+    log_copy_wait(entry, wait_blocked(entry->copy_event_), "its copy to host in flight");
     finish_copy(entry);
   }
   entry->drop_device_copy();
@@ -226,6 +226,17 @@ void ResidencyManager::log_decision(const ResidencyEntry* entry, const EvictionC
                (unsigned long long)entry->pack_seq_,
                (long long)c.next_use_distance, filter_->name(), action_name(d.action), d.reason,
                d.swap_stall_seconds * 1e3, d.recompute_stall_seconds * 1e3);
+}
+
+void ResidencyManager::log_copy_wait(const ResidencyEntry* entry, double seconds, const char* copy) const {
+  // Where a step's allocation-path stall comes from: each eviction that
+  // waited for a copy, with the copy it waited for (the queue ahead of it
+  // included). Waits shorter than a microsecond are not worth a line.
+  if (!config_.log_decisions || seconds < 1e-6) return;
+  std::fprintf(stderr, "membudget: waited %.3fms id=%llu iteration=%llu phase=%s seq=%llu for %s (%s)\n",
+               seconds * 1e3, (unsigned long long)entry->id(), (unsigned long long)entry->iteration_,
+               unpacked_since_pack_ ? "backward" : "forward", (unsigned long long)entry->pack_seq_, copy,
+               format_bytes(entry->bytes()).c_str());
 }
 
 void ResidencyManager::note_copy_time(size_t bytes, double seconds) {
