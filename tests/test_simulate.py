@@ -1206,6 +1206,31 @@ def test_forward_passes_over_one_fitting_victim_it_must_copy_out(b_replay_second
         assert r["recompute_count"] == 1 and r["recompute_s"] == pytest.approx(0.002), r
 
 
+def test_a_drop_that_became_a_copy_is_ranked_again():
+    # Note [A drop that became a copy]. Forward saves X (10 MB, replays in
+    # 4 ms), D (10 MB, replayed from X in 9 ms), E (10 MB, 6 ms) and a small
+    # S; backward uses S, E, D, X. A 19 MB temporary needs two victims: X
+    # ranks first (needed last), then D, then E. Once X is dropped, D's
+    # replay rebuilds X too (13 ms) and the director copies D out instead: a
+    # 10 ms wait on the allocation path (1 GB/s) that the order, priced
+    # before X went, never saw. Priced again, D falls below E, which is
+    # dropped: no wait, 10 ms of replays.
+    MB = 1_000_000
+    prog = Program(tensor_bytes=[10 * MB] * 3 + [MB, 19 * MB])  # X, D, E, S, temporary
+    prog.replay_seconds = [0.004, 0.009, 0.006, 0.0, 0.0]
+    prog.replay_input_offsets = [0, 0, 1, 1, 1, 1]
+    prog.replay_inputs = [0]  # D is replayed from X
+    for t in range(4):
+        _save(prog, t, 0.01)
+    _temporary(prog, 4, 0.01)
+    for t in (3, 2, 1, 0):
+        _use(prog, t, 0.01)
+    r = _lineage_replay(prog, 40 * MB, "both", copies_ahead=False)
+    assert r["feasible"] and r["peak_reserved_bytes"] <= 40 * MB, r
+    assert r["stall_s"] == pytest.approx(0.0, abs=1e-9) and r["swap_out_bytes"] == 0, r
+    assert r["recompute_count"] == 2 and r["recompute_s"] == pytest.approx(0.010), r
+
+
 def test_decision_log_names_each_wait_for_a_copy(capfd):
     # MEMBUDGET_LOG=decisions names every copy an eviction waited for, so
     # that a step's stall outside the unpacks can be read off the log: with

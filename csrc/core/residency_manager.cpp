@@ -399,6 +399,37 @@ double ResidencyManager::cost_to_cover(const std::vector<EvictionCandidate>& ord
   return covered >= bytes ? seconds : std::numeric_limits<double>::infinity();
 }
 
+bool ResidencyManager::copy_now_chosen(std::vector<EvictionCandidate>::iterator c,
+                                       std::vector<EvictionCandidate>::iterator last, size_t bytes_wanted) {
+  // Note [A drop that became a copy]: a request's candidates are priced
+  // once, before its first eviction, and a victim ranked as a drop may have
+  // had an ancestor dropped since, by this same request: its replay now
+  // rebuilds that ancestor too, and the director, deciding afresh when its
+  // turn comes, may copy it out instead, synchronously, at a cost the order
+  // never saw. Simulated GPT-2 at 30% on rtx4090: a 1.53 GiB request at
+  // backward's start dropped the residual stream of one layer after
+  // another, then copied out a 24 MiB activation ranked at 4.0 ms (its
+  // replay at 12.9 ms by then) with an 8 ms wait. So a victim ranked as a
+  // drop is priced again when its turn comes, and if it would now be copied
+  // out it takes its place in the order at that price. Only a change to a
+  // copy is acted on: re-ranking on any rise in cost (the neighbourhood
+  // term grows with every drop) moved h200's GPT-2 the wrong way (21.9 GiB
+  // 1.0040 -> 1.0057 of the floor, 11 GiB 1.0295 -> 1.0357), and so did
+  // re-ranking on every change of action, to a drop or to the release of a
+  // host-backed copy too (a100-40gb ResNet-50 batch 32 at 30%, 71.8 -> 74.0
+  // ms per step). Only for filters that re-rank as the request shrinks
+  // (Note [Bytes a request needs]); the others keep their order. Returns
+  // whether `c` was re-ranked (then *c may be another candidate).
+  if (c->swap_chosen) return false;
+  Decision decision;
+  const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
+  const EvictionCandidate now = make_candidate(c->entry, &decision, &backlog);
+  if (!now.swap_chosen || now.host_valid) return false;
+  *c = now;
+  rank_candidates(c, last, bytes_wanted);
+  return true;
+}
+
 bool ResidencyManager::copies_before_release(const EvictionCandidate& c) {
   // Note [A copy on the allocation path]: in forward the allocator-aware
   // pass takes a fitting victim however it ranks, since what it frees past
@@ -492,6 +523,9 @@ size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
       if (next != ordered.begin() && filter_->weighs_bytes_wanted()) {
         const PolicyTimer timer(counters_.policy_seconds);
         rank_candidates(next, ordered.end(), bytes_needed - freed);
+        // Note [A drop that became a copy]
+        while (copy_now_chosen(next, ordered.end(), bytes_needed - freed)) {
+        }
       }
       const void* block = next->entry->device_data();
       size_t bytes = release_device_copy(next->entry, stream);

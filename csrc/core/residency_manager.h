@@ -274,6 +274,10 @@ class ResidencyManager final : public Evictor {
   static double cost_to_cover(const std::vector<EvictionCandidate>& ordered, size_t bytes);
   // Whether releasing c waits for a copy to host (Note [A copy on the allocation path]).
   static bool copies_before_release(const EvictionCandidate& c);
+  // Re-prices *c, ranked as a drop, and re-ranks [c, last) if it would now
+  // be copied out (Note [A drop that became a copy]).
+  bool copy_now_chosen(std::vector<EvictionCandidate>::iterator c, std::vector<EvictionCandidate>::iterator last,
+                       size_t bytes_wanted);
   // Records an eviction request for the next iteration's background target
   // (Note [Requests to come]).
   void note_request(size_t bytes_needed, size_t freed);
