@@ -469,9 +469,9 @@ size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
       if (in_flight_.empty()) break;
       const double blocked_before = blocked_seconds_;
       synchronize();
-      if (config_.log_decisions) {
-        std::fprintf(stderr, "membudget: waited %.3fms for every copy in flight\n",
-                     (blocked_seconds_ - blocked_before) * 1e3);
+      const double waited = blocked_seconds_ - blocked_before;
+      if (config_.log_decisions && waited >= 1e-6) {
+        std::fprintf(stderr, "membudget: waited %.3fms for every copy in flight\n", waited * 1e3);
       }
     }
     std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_, bytes_needed - freed);
