@@ -1174,7 +1174,7 @@ def test_backward_passes_over_one_fitting_victim_that_costs_more():
 def _forward_fit_program(b_replay_seconds):
     """Forward saves H1, H2, H3 (11 MB each, replayable in 1 ms), B (30 MB,
     replayable in ``b_replay_seconds``; 0: not at all) and a small S under
-    an 80 MB budget; then a 30 MB temporary finds 16 MB free (2 MiB pages),
+    an 80 MB budget; then a 30 MB temporary finds 16 MB free,
     and only B fits it alone. Backward uses S, B, then the H."""
     MB = 1_000_000
     prog = Program(tensor_bytes=[11 * MB] * 3 + [30 * MB, MB, 30 * MB])  # H1, H2, H3, B, S, temporary
