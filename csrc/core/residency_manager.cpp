@@ -407,8 +407,8 @@ bool ResidencyManager::copy_now_chosen(std::vector<EvictionCandidate>::iterator 
   // rebuilds that ancestor too, and the director, deciding afresh when its
   // turn comes, may copy it out instead, synchronously, at a cost the order
   // never saw. Simulated GPT-2 at 30% on rtx4090: a 1.53 GiB request at
-  // backward's start dropped the residual stream of one layer after
-  // another, then copied out a 24 MiB activation ranked at 4.0 ms (its
+  // backward's start dropped 24 MiB activations of one layer after
+  // another, each an ancestor of the next, then copied out one ranked at 4.0 ms (its
   // replay at 12.9 ms by then) with an 8 ms wait. So a victim ranked as a
   // drop is priced again when its turn comes, and if it would now be copied
   // out it takes its place in the order at that price. Only a change to a
