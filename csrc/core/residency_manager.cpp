@@ -316,11 +316,16 @@ EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool w
              : backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
 }
 
+void ResidencyManager::finish_copy_out_in_flight(ResidencyEntry* entry) {
+  // Note [Copy under way]: the copy reads the device memory, which is free
+  // only once it ends.
+  if (entry->state_ != Residency::swapping_out) return;
+  log_copy_wait(entry, wait_blocked(entry->copy_event_), "its copy to host in flight");
+  finish_copy(entry);
+}
+
 size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
-  if (entry->state_ == Residency::swapping_out) {
-    log_copy_wait(entry, wait_blocked(entry->copy_event_), "its copy to host in flight");
-    finish_copy(entry);
-  }
+  finish_copy_out_in_flight(entry);
   Decision decision;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
   const EvictionCandidate candidate = make_candidate(entry, &decision, &backlog);
@@ -421,9 +426,8 @@ bool ResidencyManager::copy_now_chosen(std::vector<EvictionCandidate>::iterator 
   // (Note [Bytes a request needs]); the others keep their order. Returns
   // whether `c` was re-ranked (then *c may be another candidate).
   if (c->swap_chosen) return false;
-  Decision decision;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
-  const EvictionCandidate now = make_candidate(c->entry, &decision, &backlog);
+  const EvictionCandidate now = make_candidate(c->entry, nullptr, &backlog);
   if (!now.swap_chosen || now.host_valid) return false;
   *c = now;
   rank_candidates(c, last, bytes_wanted);

@@ -325,6 +325,9 @@ class ResidencyManager final : public Evictor {
   Decision decide_for(const ResidencyEntry* entry, const EvictionCandidate& candidate,
                       const CopyInBacklog* backlog = nullptr) const;
   size_t drop_for_recompute(ResidencyEntry* entry);
+  // Waits for entry's copy-out if one is in flight (the wait is logged) and
+  // completes it; before its device copy is released or dropped.
+  void finish_copy_out_in_flight(ResidencyEntry* entry);
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
   // MEMBUDGET_LOG=decisions: an eviction waited `seconds` for `copy`.

@@ -151,10 +151,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
 }
 
 size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
-  if (entry->state_ == Residency::swapping_out) {
-    log_copy_wait(entry, wait_blocked(entry->copy_event_), "its copy to host in flight");
-    finish_copy(entry);
-  }
+  finish_copy_out_in_flight(entry);
   entry->drop_device_copy();
   entry->state_ = Residency::dropped;
   clear_prefetch(entry);
