@@ -105,7 +105,7 @@ struct ManagerStats {
   size_t planned_drops = 0;          // drops a static plan asked for
   size_t recompute_count = 0;        // dropped entries brought back by replay
   size_t recompute_bytes = 0;
-  double recompute_seconds = 0.0;    // time spent replaying
+  double recompute_seconds = 0.0;    // wall time spent replaying (Note [Nested replays are timed once])
   // Note [Replay overhead]: what a replay takes beyond its ops' recorded
   // time and its waits for copies, learned (moving average, per replay).
   double replay_overhead_seconds = 0.0;
