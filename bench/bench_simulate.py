@@ -214,7 +214,7 @@ def predict(measured: dict, device, host_time="backward") -> dict:
     # compared one step of a pattern that alternates with the median of it:
     # at GPT 50%, both actions, the simulated steps wait 0.9, 1.8, 1.5,
     # 1.8, 1.5, ... ms; the third alone predicted 1.1 ms against a measured
-    # median of 2.0, the median over the measured steps is 1.6
+    # median of 2.0, the median over the measured steps predicts 1.8
     # (bench/RESULTS.md, "Lead, session 21").
     steps = range(max(1, measured["warmup"]), max(measured["steps"], measured["warmup"] + 1))
     for name, model in measured["models"].items():
