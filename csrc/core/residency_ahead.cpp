@@ -116,9 +116,7 @@ void ResidencyManager::complete_recompute_ahead(ResidencyEntry* entry, bool succ
     ++counters_.recompute_ahead_failed;
     return;
   }
-  // Note [Nested replays are timed once]: one begun inside another replay
-  // is in that one's wall time already.
-  note_rebuilt(entry, replays_in_progress_ == 0 ? seconds : 0.0);
+  note_rebuilt(entry, seconds);
   ++counters_.recomputed_ahead_count;
   entry->recomputed_ahead_ = true;
   if (ready && !ready->ready()) {

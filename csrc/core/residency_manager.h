@@ -211,8 +211,10 @@ class ResidencyManager final : public Evictor {
   // All private methods assume mutex_ is held.
   void reap_completed_copies();
   void finish_copy(ResidencyEntry* entry);
-  // A dropped entry rebuilt, on demand or ahead: out of the dropped set and
-  // its neighbourhood, into the recompute counters.
+  // A dropped entry rebuilt, on demand or ahead (its replay already ended:
+  // no longer in replays_in_progress_): out of the dropped set and its
+  // neighbourhood, into the recompute counters (`seconds` only if no other
+  // replay holds this one, Note [Nested replays are timed once]).
   void note_rebuilt(ResidencyEntry* entry, double seconds);
   // materialize(): waits on the entry's copy_event_ (a swap-in, or a replay
   // ahead on a side stream), counting the stall and the prefetch hit.

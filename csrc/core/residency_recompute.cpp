@@ -181,18 +181,11 @@ void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded,
     return;
   }
   entry->state_ = Residency::resident;
-  // Note [Nested replays are timed once]: a replay that rebuilds a dropped
-  // input first runs that input's replay inside its own, so the outermost
-  // replay's wall time already holds every inner one. Counting each replay's
-  // seconds added the inner ones again: on the CPU GPT workload at 50%,
-  // recompute-only, recompute_seconds read about 105 ms per step while the
-  // replayed ops took 55 ms and the step 66 ms more than swap-only
-  // (bench/RESULTS.md, "Lead, session 21"). Only the outermost adds its time.
-  const bool outermost = replays_in_progress_ == 0;
-  note_rebuilt(entry, outermost ? seconds : 0.0);
+  note_rebuilt(entry, seconds);
   const double waits = blocked_seconds_ - entry->replay_blocked_start_s_;
-  // The same for the pace (Note [Pace of backward's own ops]).
-  if (outermost) replayed_seconds_ += std::max(seconds - waits, 0.0);
+  // The outermost replay of a chain times the inner ones too (Note [Pace of
+  // backward's own ops], Note [Nested replays are timed once]).
+  if (replays_in_progress_ == 0) replayed_seconds_ += std::max(seconds - waits, 0.0);
   if (entry->replay_chain_ > 0) {
     // Note [Replay overhead]: beyond the estimate and the waits for copies
     // in between (its inputs' swap-ins, its allocation's evictions: their
@@ -217,7 +210,15 @@ void ResidencyManager::note_rebuilt(ResidencyEntry* entry, double seconds) {
   neighbourhoods_.remove(entry->id(), entry->replay_seconds_);
   ++counters_.recompute_count;
   counters_.recompute_bytes += entry->bytes();
-  counters_.recompute_seconds += seconds;
+  // Note [Nested replays are timed once]: a replay that rebuilds a dropped
+  // input first runs that input's replay inside its own (on demand or
+  // ahead), so the outermost replay's wall time already holds every inner
+  // one. Counting each replay's seconds added the inner ones again: on the
+  // CPU GPT workload at 50%, recompute-only, recompute_seconds read about
+  // 105 ms per step while the replayed ops took 55 ms and the step 66 ms
+  // more than swap-only (bench/RESULTS.md, "Lead, session 21"). Only the
+  // outermost adds its time (its callers have ended its replay already).
+  if (replays_in_progress_ == 0) counters_.recompute_seconds += seconds;
 }
 
 void ResidencyManager::log_decision(const ResidencyEntry* entry, const EvictionCandidate& c,
