@@ -81,9 +81,9 @@ void ResidencyManager::start_iteration() {
   evicted_this_iteration_ = 0;
   largest_forward_request_last_iteration_ = largest_forward_request_;
   largest_forward_request_ = 0;
-  // Note [Requests to come]: an iteration without a prediction (the first)
-  // runs without prefetches, so it evicts elsewhere than the next ones.
-  requests_to_come_known_ = order_.has_prediction();
+  // Note [Requests to come]: every completed iteration's record is used,
+  // the first one's (run without a prediction) too.
+  requests_to_come_known_ = true;
   // Note [Evictions still to come]: evictions at packs close together draw
   // on the bytes releasable without a copy one after another, faster than
   // background copies issued in between refill them: GPT-2 at 50% on the
@@ -870,11 +870,17 @@ size_t ResidencyManager::request_to_cover() const {
   // A step repeats from one iteration to the next, so the previous one says
   // which requests are still to come from this pack on (backward's counted
   // at the end of forward: copies issued late in forward serve them). The
-  // first iteration has no prediction, hence no prefetches, and evicts
-  // elsewhere (GPT-2 at 50% on the CPU model: no eviction in its backward,
-  // 16 MiB requests in the next one's); its record is not used, nor is there
-  // one after reset_prediction: then the largest forward request seen so
-  // far stands in, as before.
+  // first iteration has no prediction, hence no prefetches, and its backward
+  // evicts elsewhere than the next ones'; its record was once left unused
+  // for that, and the second iteration covered the largest forward request
+  // from every pack on. That cost more than the record's errors: on the CPU
+  // model (sim_cpu_targets.py, second step, delta / dtr over plain PyTorch)
+  // GPT-2 50% 1.0246 / 1.0313 with the fallback against 1.0089 / 1.0091
+  // with the record, GPT-2 40% 1.0287 / 1.0359 against 1.0112 / 1.0175,
+  // LSTM 70% 1.0886 / 1.0847 against 1.0803 / 1.0803: the second step is
+  // then the steady one (bench/RESULTS.md, "Lead, session 22"). Before the
+  // first iteration has ended, and after reset_prediction, there is no
+  // record: the largest forward request seen so far stands in.
   if (!requests_to_come_known_) {
     return std::max(largest_forward_request_, largest_forward_request_last_iteration_);
   }

@@ -397,7 +397,7 @@ class ResidencyManager final : public Evictor {
   // from pack count s on, added up (Note [Evictions still to come]).
   std::vector<size_t> requests_by_pack_;
   std::vector<size_t> requests_to_come_;
-  bool requests_to_come_known_ = false;  // the previous iteration had a prediction
+  bool requests_to_come_known_ = false;  // an iteration has ended since construction or reset_prediction
   size_t evicted_this_iteration_ = 0;             // device bytes evicted (swapped or dropped)
   size_t evicted_last_iteration_ = 0;             // the same, over the previous iteration
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
