@@ -473,10 +473,7 @@ size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
       if (in_flight_.empty()) break;
       const double blocked_before = blocked_seconds_;
       synchronize();
-      const double waited = blocked_seconds_ - blocked_before;
-      if (config_.log_decisions && waited >= 1e-6) {
-        std::fprintf(stderr, "membudget: waited %.3fms for every copy in flight\n", waited * 1e3);
-      }
+      log_copy_wait(nullptr, blocked_seconds_ - blocked_before, "every copy in flight");
     }
     std::vector<EvictionCandidate> ordered = candidates(eviction_horizon_, bytes_needed - freed);
     // Allocator-aware (Coop): freeing the best-scored victims may leave a

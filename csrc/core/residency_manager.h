@@ -332,7 +332,8 @@ class ResidencyManager final : public Evictor {
   void finish_copy_out_in_flight(ResidencyEntry* entry);
   void drop_planned();
   void log_decision(const ResidencyEntry* entry, const EvictionCandidate& c, const Decision& d) const;
-  // MEMBUDGET_LOG=decisions: an eviction waited `seconds` for `copy`.
+  // MEMBUDGET_LOG=decisions: an eviction waited `seconds` for `copy`, the
+  // entry's own or (entry null) every copy in flight.
   void log_copy_wait(const ResidencyEntry* entry, double seconds, const char* copy) const;
   void note_copy_time(size_t bytes, double seconds);
   // `paused` seconds of the gap since `last` are left out of the sample.

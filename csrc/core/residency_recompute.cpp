@@ -236,8 +236,13 @@ void ResidencyManager::log_decision(const ResidencyEntry* entry, const EvictionC
 void ResidencyManager::log_copy_wait(const ResidencyEntry* entry, double seconds, const char* copy) const {
   // Where a step's allocation-path stall comes from: each eviction that
   // waited for a copy, with the copy it waited for (the queue ahead of it
-  // included). Waits shorter than a microsecond are not worth a line.
+  // included), or, without an entry, a wait for every copy in flight.
+  // Waits shorter than a microsecond are not worth a line.
   if (!config_.log_decisions || seconds < 1e-6) return;
+  if (entry == nullptr) {
+    std::fprintf(stderr, "membudget: waited %.3fms for %s\n", seconds * 1e3, copy);
+    return;
+  }
   std::fprintf(stderr, "membudget: waited %.3fms id=%llu iteration=%llu phase=%s seq=%llu for %s (%s)\n",
                seconds * 1e3, (unsigned long long)entry->id(), (unsigned long long)entry->iteration_,
                unpacked_since_pack_ ? "backward" : "forward", (unsigned long long)entry->pack_seq_, copy,
