@@ -24,7 +24,12 @@ Beside it, each ``delta`` block against the ``dtr`` blocks next to it (Note
 process.
 
     PYTHONPATH=python python bench/bench_in_process.py gpt2:70,cnn:50 [--rounds 4]
-        [--blocks 3] [--block-steps 5] [--settle 2] [--markdown bench/RESULTS.md]
+        [--blocks 3] [--block-steps 5] [--settle 2] [--policies delta,dtr] [--markdown bench/RESULTS.md]
+
+Note [A against A]: ``--policies dtr,dtr`` runs one policy in both slots
+(labelled ``dtr#1`` and ``dtr#2``): the same work in every block, so the
+ratios it prints are what this machine alone produces, the spread against
+which a ``delta``/``dtr`` ratio has to be read.
 
 What it cannot show: a policy's cost that lasts beyond a block (none is
 known: the unpack order, the link's and the replays' measurements are the
@@ -37,7 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
@@ -46,22 +51,24 @@ sys.path.insert(0, str(ROOT / "bench"))
 from membudget.harness import RunSpec, identical, spawn_worker  # noqa: E402
 
 from bench_recompute import BENCHED_MODELS, WORKER_COMMAND, report_lines  # noqa: E402
+from bench_recompute import POLICIES as KNOWN_POLICIES  # noqa: E402
 from bench_swap import machine_line  # noqa: E402
 
 MiB = 1 << 20
-POLICIES = ("delta", "dtr")
+POLICIES = ("delta", "dtr")  # the default pair: the first is the numerator of every ratio
 
 
-def per_policy(result: Dict[str, Any], warmup: int, block_steps: int, settle: int) -> Dict[str, Dict[str, float]]:
+def per_policy(result: Dict[str, Any], warmup: int, block_steps: int, settle: int,
+               labels: Tuple[str, str] = POLICIES) -> Dict[str, Dict[str, float]]:
     """Each policy's median step time over its measured steps (not the
     warm-up, not a block's first ``settle``), and its MiB copied out,
     replays and milliseconds the compute thread waited for copies (Note
     [Copy timeline]: unpacks and the allocation path alike) per measured
     step, from the cumulative per-step counters."""
-    times: Dict[str, List[float]] = {p: [] for p in POLICIES}
-    out: Dict[str, List[float]] = {p: [] for p in POLICIES}
-    replays: Dict[str, List[float]] = {p: [] for p in POLICIES}
-    waits: Dict[str, List[float]] = {p: [] for p in POLICIES}
+    times: Dict[str, List[float]] = {p: [] for p in labels}
+    out: Dict[str, List[float]] = {p: [] for p in labels}
+    replays: Dict[str, List[float]] = {p: [] for p in labels}
+    waits: Dict[str, List[float]] = {p: [] for p in labels}
     stats = result["step_stats"]
     for step, (policy, seconds) in enumerate(zip(result["step_policies"], result["step_seconds"])):
         if step < warmup or step % block_steps < settle:
@@ -72,10 +79,11 @@ def per_policy(result: Dict[str, Any], warmup: int, block_steps: int, settle: in
         replays[policy].append(stats[step]["recompute_count"] - before.get("recompute_count", 0))
         waits[policy].append((stats[step].get("wait_seconds", 0.0) - before.get("wait_seconds", 0.0)) * 1e3)
     return {p: {"step_s": statistics.median(times[p]), "out_mib": statistics.mean(out[p]),
-                "replays": statistics.mean(replays[p]), "wait_ms": statistics.mean(waits[p])} for p in POLICIES}
+                "replays": statistics.mean(replays[p]), "wait_ms": statistics.mean(waits[p])} for p in labels}
 
 
-def block_ratios(result: Dict[str, Any], warmup: int, block_steps: int, settle: int) -> List[float]:
+def block_ratios(result: Dict[str, Any], warmup: int, block_steps: int, settle: int,
+                 labels: Tuple[str, str] = POLICIES) -> List[float]:
     """Note [Neighbouring blocks]: for each ``delta`` block, the median of
     its measured steps over the mean of the medians of the ``dtr`` blocks
     just before and after it (one at either end). This machine drifts within
@@ -91,56 +99,70 @@ def block_ratios(result: Dict[str, Any], warmup: int, block_steps: int, settle: 
         medians.append((policies[start], statistics.median(kept)) if kept else None)
     ratios = []
     for index, block in enumerate(medians):
-        if block is None or block[0] != "delta":
+        if block is None or block[0] != labels[0]:
             continue
         around = [medians[j][1] for j in (index - 1, index + 1)
-                  if 0 <= j < len(medians) and medians[j] is not None and medians[j][0] == "dtr"]
+                  if 0 <= j < len(medians) and medians[j] is not None and medians[j][0] == labels[1]]
         if around:
             ratios.append(block[1] / statistics.mean(around))
     return ratios
 
 
+def slot_labels(policies: Tuple[str, str]) -> Tuple[str, str]:
+    """The two slots' labels: the policies' names, numbered when they are
+    the same policy (Note [A against A])."""
+    first, second = policies
+    return (first, second) if first != second else (f"{first}#1", f"{second}#2")
+
+
 def cell(model: str, fraction: float, peak: int, plain: Dict[str, Any], args) -> str:
-    """The rounds at one fraction of the peak; returns the summary line."""
+    """The rounds at one fraction of the peak; returns the summary line.
+    Every ratio is the first of ``args.policies`` over the second."""
     steps = args.warmup + 2 * args.blocks * args.block_steps
+    labels = slot_labels(args.policies)
+    policy_of = dict(zip(labels, args.policies))
+    first, second = labels
     paired, rows, differs, blocks = [], [], 0, []
     for k in range(args.rounds):
-        order = list(POLICIES) if k % 2 == 0 else list(reversed(POLICIES))
+        order = list(labels) if k % 2 == 0 else list(reversed(labels))
         spec = RunSpec(model=model, mode="managed", steps=steps, size="default", device="cpu", threads=1,
-                       budget=int(peak * fraction), actions="both", alternate_policies=order,
-                       alternate_steps=args.block_steps)
+                       budget=int(peak * fraction), actions="both",
+                       alternate_policies=[policy_of[label] for label in order], alternate_steps=args.block_steps)
         result = spawn_worker(WORKER_COMMAND, spec, timeout=args.timeout)
         if "error" in result:
             return f"{model} {fraction:.0%}: round {k + 1} failed: {result['error'][:300]}"
-        row = per_policy(result, args.warmup, args.block_steps, args.settle)
+        # Each step's slot, not its policy's name: the two are the same policy in an A/A run.
+        result["step_policies"] = [order[(step // args.block_steps) % 2] for step in range(len(result["step_seconds"]))]
+        row = per_policy(result, args.warmup, args.block_steps, args.settle, labels)
         rows.append(row)
-        paired.append(row["delta"]["step_s"] / row["dtr"]["step_s"])
-        blocks.extend(block_ratios(result, args.warmup, args.block_steps, args.settle))
+        paired.append(row[first]["step_s"] / row[second]["step_s"])
+        blocks.extend(block_ratios(result, args.warmup, args.block_steps, args.settle, labels))
         differs += not identical(plain, result)
-        print(f"[{model}] {fraction:.0%} round {k + 1}: delta {row['delta']['step_s'] * 1e3:.1f} ms, "
-              f"dtr {row['dtr']['step_s'] * 1e3:.1f} ms, ratio {paired[-1]:.3f}", flush=True)
+        print(f"[{model}] {fraction:.0%} round {k + 1}: {first} {row[first]['step_s'] * 1e3:.1f} ms, "
+              f"{second} {row[second]['step_s'] * 1e3:.1f} ms, ratio {paired[-1]:.3f}", flush=True)
 
-    def median_of(policy: str, key: str) -> float:
-        return statistics.median(r[policy][key] for r in rows)
+    def median_of(label: str, key: str) -> float:
+        return statistics.median(r[label][key] for r in rows)
+
+    def per_step(label: str) -> str:
+        return (f"{label} {median_of(label, 'step_s') * 1e3:.1f} ms, {median_of(label, 'out_mib'):.1f} MiB out, "
+                f"{median_of(label, 'replays'):.2g} replays, {median_of(label, 'wait_ms'):.1f} ms waited for copies")
 
     verdict = "met" if statistics.median(paired) <= 1.0 else "MISSED"
     block_verdict = "met" if blocks and statistics.median(blocks) <= 1.0 else "MISSED"
-    same_work = all(abs(r["delta"]["out_mib"] - r["dtr"]["out_mib"]) < 0.05
-                    and r["delta"]["replays"] == 0 == r["dtr"]["replays"] for r in rows)
-    return (f"{model} {fraction:.0%}: {args.rounds} processes; delta/dtr per process "
-            f"{', '.join(f'{v:.3f}' for v in paired)}, median {statistics.median(paired):.3f}, delta faster in "
+    same_work = all(abs(r[first]["out_mib"] - r[second]["out_mib"]) < 0.05
+                    and r[first]["replays"] == 0 == r[second]["replays"] for r in rows)
+    return (f"{model} {fraction:.0%}: {args.rounds} processes; {first}/{second} per process "
+            f"{', '.join(f'{v:.3f}' for v in paired)}, median {statistics.median(paired):.3f}, {first} faster in "
             f"{sum(v < 1.0 for v in paired)} of {len(paired)}; against neighbouring blocks (Note [Neighbouring "
-            f"blocks]) median {statistics.median(blocks) if blocks else float('nan'):.3f}, delta faster in "
-            f"{sum(v < 1.0 for v in blocks)} of {len(blocks)} blocks ({block_verdict}); "
+            f"blocks]) median {statistics.median(blocks) if blocks else float('nan'):.3f}, {first} faster in "
+            f"{sum(v < 1.0 for v in blocks)} of {len(blocks)} blocks ({block_verdict}), blocks range "
+            f"{min(blocks, default=float('nan')):.3f}-{max(blocks, default=float('nan')):.3f}; "
             f"{'the same MiB out and no replays in every process; ' if same_work else ''}"
-            f"per measured step (median over processes): "
-            f"delta {median_of('delta', 'step_s') * 1e3:.1f} ms, {median_of('delta', 'out_mib'):.1f} MiB out, "
-            f"{median_of('delta', 'replays'):.2g} replays, {median_of('delta', 'wait_ms'):.1f} ms waited for copies; "
-            f"dtr {median_of('dtr', 'step_s') * 1e3:.1f} ms, {median_of('dtr', 'out_mib'):.1f} MiB out, "
-            f"{median_of('dtr', 'replays'):.2g} replays, {median_of('dtr', 'wait_ms'):.1f} ms waited for copies; "
+            f"per measured step (median over processes): {per_step(first)}; {per_step(second)}; "
             f"losses and parameters identical to plain PyTorch: "
             f"{'yes' if differs == 0 else f'NO ({differs} runs differ)'}; "
-            f"delta no slower than dtr (median ratio <= 1): {verdict}")
+            f"{first} no slower than {second} (median ratio <= 1): {verdict}")
 
 
 def main(argv: List[str]) -> int:
@@ -154,8 +176,15 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--settle", type=int, default=2, help="first steps of each block left out (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per process")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="the two policies compared, FIRST,SECOND: every ratio is FIRST over SECOND "
+                             "(default delta,dtr; the same one twice measures the machine, Note [A against A])")
     parser.add_argument("--markdown", metavar="FILE", help="append the command and the lines to FILE")
     args = parser.parse_args(argv)
+    policies = tuple(p.strip() for p in args.policies.split(","))
+    if len(policies) != 2 or not all(p in KNOWN_POLICIES for p in policies):
+        parser.error(f"--policies takes two of {', '.join(KNOWN_POLICIES)} as FIRST,SECOND; got {args.policies!r}")
+    args.policies = policies
     cells = []
     for text in args.cells.split(","):
         model, _, percent = text.strip().partition(":")
