@@ -875,8 +875,11 @@ size_t ResidencyManager::request_to_cover() const {
   // GPT-2 50% 1.0246 / 1.0313 with the fallback against 1.0089 / 1.0091
   // with the record, GPT-2 40% 1.0287 / 1.0359 against 1.0112 / 1.0175,
   // LSTM 70% 1.0886 / 1.0847 against 1.0803 / 1.0803: the second step is
-  // then the steady one (bench/RESULTS.md, "Lead, session 22"). Before the
-  // first iteration has ended, and after reset_prediction, there is no
+  // then the steady one (bench/RESULTS.md, "Lead, session 22"). Where the
+  // steady step is worse than the old second one was (a100-40gb, GPT-2 and
+  // BERT at 40%: Note [Requests that will not fit], which needs a record,
+  // now applies from the second step on), the second step shows it. Before
+  // the first iteration has ended, and after reset_prediction, there is no
   // record: the largest forward request seen so far stands in.
   if (!requests_to_come_known_) {
     return std::max(largest_forward_request_, largest_forward_request_last_iteration_);
