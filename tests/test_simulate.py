@@ -371,6 +371,38 @@ def test_cli_table_and_bad_input(gpt_trace, tmp_path, capsys):
     assert "delta" in out.out and "checkpoint-blocks" in out.out and "24/" not in out.out
     assert main(["simulate", "--budgets", "60%"]) == 2
     assert main(["simulate", str(path), "--budgets", "lots"]) == 2
+    assert main(["simulate", str(path), "--budgets", "60%", "--no-floor", "--iterations", "1"]) == 2
+    assert "iterations must be at least 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", str(path), "--actions", "evict"])
+
+
+def test_cli_actions_and_iterations_reach_the_simulation(gpt_trace, tmp_path, capsys):
+    from membudget.cli import main
+
+    path = tmp_path / "gpt.trace.gz"
+    gpt_trace.save(path)
+    # At 80% of its peak this model fits with either action alone (at 50%
+    # recompute-only runs out of memory).
+    args = ["simulate", str(path), "--budgets", "80%", "--no-floor", "--policies", "delta", "--baselines", "",
+            "--min-tensor-bytes", "16KiB", "--json"]
+    results = {}
+    for actions in ("swap", "recompute", "both"):
+        for iterations in ("2", "4"):
+            assert main(args + ["--actions", actions, "--iterations", iterations]) == 0
+            data = json.loads(capsys.readouterr().out)
+            assert data["actions"] == actions and data["iterations"] == int(iterations)
+            (row,) = data["rows"]
+            expected = membudget.simulate(gpt_trace, ["80%"], ["delta"], "h200", baselines=(),
+                                          min_tensor_bytes=16 * 1024, actions=actions,
+                                          iterations=int(iterations))[0].to_dict()
+            assert row == expected
+            results[actions, iterations] = row
+    assert results["swap", "2"]["recompute_count"] == 0 < results["swap", "2"]["swap_bytes"]
+    assert results["recompute", "2"]["swap_bytes"] == 0 < results["recompute", "2"]["recompute_count"]
+    # The fourth step differs from the second here (it copies 1 MiB more), so
+    # an --iterations that did not reach simulate would fail the equality above.
+    assert results["swap", "2"] != results["swap", "4"]
 
 
 def test_simulated_allocator_takes_the_segment_setting(gpt_trace):

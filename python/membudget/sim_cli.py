@@ -8,6 +8,7 @@ step-time ratio against budget per policy (``--plot``, matplotlib).
 
     membudget simulate --model gpt2 --batch 8 --seq 1024 --device h200 --budgets 80%,60%,40%
     membudget simulate run.trace.gz --device a100-40gb --budgets 30GiB,20GiB --json
+    membudget simulate --model bert --actions swap --iterations 4   # swap only, the fourth step
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ __all__ = ["add_parser", "main"]
 def add_parser(commands) -> argparse.ArgumentParser:
     """Register the ``simulate`` subcommand on ``commands`` (argparse
     subparsers) and return its parser."""
+    from .config import ACTIONS, DEFAULT_ACTIONS
     from .costs import DEVICES
     from .sim_models import SIM_MODELS
 
@@ -42,6 +44,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--baselines", default="none,checkpoint-blocks,swap-all,offload-prefetch",
                    help="comma-separated baselines, or '' for none")
     p.add_argument("--min-tensor-bytes", default="1MiB", help="manage saved tensors from this size (default 1MiB)")
+    p.add_argument("--actions", default=DEFAULT_ACTIONS, choices=ACTIONS,
+                   help="what the manager may do to a victim, as MEMBUDGET_ACTIONS (default both)")
+    p.add_argument("--iterations", type=int, default=2,
+                   help="steps run per point, the last measured (default 2; from 3 the measured step is "
+                        "predicted from a predicted one, as in steady training)")
     p.add_argument("--no-floor", action="store_true", help="skip the optimal floor (membudget.optimal)")
     p.add_argument("--fixed-segments", action="store_true",
                    help="simulate the allocator with fixed segments (MEMBUDGET_EXPANDABLE_SEGMENTS=0)")
@@ -131,14 +138,15 @@ def main(args: argparse.Namespace) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     try:
         rows = simulate(trace, budgets, policies, args.device, baselines=baselines, min_tensor_bytes=min_bytes,
+                        actions=args.actions, iterations=args.iterations,
                         expandable_segments=not args.fixed_segments, floor=not args.no_floor,
                         progress=None if args.json else _progress)
     except (ValueError, ConfigError) as error:
         print(f"membudget simulate: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"trace": trace.metadata, "device": args.device, "rows": [r.to_dict() for r in rows]},
-                         indent=1))
+        print(json.dumps({"trace": trace.metadata, "device": args.device, "actions": args.actions,
+                          "iterations": args.iterations, "rows": [r.to_dict() for r in rows]}, indent=1))
     else:
         print(format_table(rows))
     if args.plot:
