@@ -36,7 +36,7 @@ class UnpackOrder {
   void note_pressure();
   // Only moves where pressure ends (last_pressure_position), for an
   // eviction that leaves no mark for replays ahead (Note [Pressure end
-  // without a mark] in residency_manager.cpp).
+  // without a mark] in residency_evict.cpp).
   void note_pressure_end();
   // Whether any position in [from, to] was ever marked.
   bool pressure_between(int64_t from, int64_t to) const;
