@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import membudget  # noqa: E402
 from membudget import harness, models  # noqa: E402
+from membudget.config import ACTIONS  # noqa: E402
 from membudget.simulate import simulate, unbudgeted_peak  # noqa: E402
 
 MiB = 2**20
@@ -453,9 +454,9 @@ def main() -> int:
     t.add_argument("--device", default="h200")
     args = parser.parse_args()
     if args.command == "validate":
-        bad = [a for a in args.actions.split(",") if a not in ("swap", "recompute", "both")]
+        bad = [a for a in args.actions.split(",") if a not in ACTIONS]
         if bad:
-            parser.error(f"--actions: {', '.join(bad)} is not one of swap, recompute, both")
+            parser.error(f"--actions: {', '.join(bad)} is not one of {', '.join(ACTIONS)}")
         validate("quick" if args.quick else "default", (0.8, 0.6, 0.5), args.steps, args.warmup, args.repeats,
                  args.actions, args.models, args.save, args.load, args.variants)
     else:
