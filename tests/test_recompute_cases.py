@@ -351,14 +351,13 @@ class _WithCustomOp(nn.Module):
         return self.b(y)
 
 
-def test_custom_ops_are_unrecomputable_and_still_swapped(lineage_recorder):
+def test_custom_ops_are_unrecomputable_and_still_swapped():
     # An op outside aten/prims may have side effects lineage cannot see.
-    # The C++ recorder records it as unreplayable: its output, and all that
+    # Either recorder records it as unreplayable: its output, and all that
     # is computed from it, is swap-only; what only its inputs came from stays
-    # recomputable. The Python mode never sees it (a custom op's autograd
-    # runs its forward with grad off, which the mode does not record): its
-    # output is a tensor no recorded op produced, held as an input like a
-    # parameter, so everything stays recomputable. Exact either way.
+    # recomputable. (The Python mode sees the op below autograd, inside the
+    # autograd.Function that register_autograd makes, where grad is off:
+    # Note [Custom Function forwards].)
     recomputable = []
 
     def run(model, x, evict):
@@ -372,13 +371,120 @@ def test_custom_ops_are_unrecomputable_and_still_swapped(lineage_recorder):
 
     plain = _grads(_WithCustomOp, run)
     recompute_only = _grads(_WithCustomOp, run, evict=True, actions="recompute")
-    downstream = lineage_recorder == "python"
-    assert recomputable == [True, True, downstream, downstream]
+    assert recomputable == [True, True, False, False]
     _assert_same(plain, recompute_only)  # x is held by the caller: h / 4 at least
     assert recompute_only[2]["swap_out_bytes"] == 0
     both = _grads(_WithCustomOp, run, evict=True, actions="both")
     assert torch.equal(plain[0], both[0])
     for name in plain[1]:
         assert torch.equal(plain[1][name], both[1][name]), name
-    if not downstream:
-        assert both[2]["swap_out_count"] >= 2  # y and the output could only be swapped
+    assert both[2]["swap_out_count"] >= 2  # y and the output could only be swapped
+
+
+class _TanhMatmul(torch.autograd.Function):
+    """A custom Function built from aten ops: its forward runs with grad off,
+    saves a tensor it computed (h) and draws random numbers (dropout)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        h = torch.nn.functional.dropout(x @ w, p=0.1, training=True)
+        ctx.save_for_backward(x, w, h)
+        return h.tanh()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, h = ctx.saved_tensors
+        grad_h = grad * (1 - h.tanh() ** 2) * (h != 0) / 0.9
+        return grad_h @ w.t(), x.t() @ grad_h
+
+
+class _FunctionStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = _TanhMatmul.apply(x, self.w)
+        return self.out(x)
+
+
+def test_custom_function_forwards_are_recorded_and_replayed():
+    # Note [Custom Function forwards]: what a custom Function computes and
+    # saves is recomputable (it was swap-only, and its outputs were held as
+    # inputs), and its dropout replays bit-exactly.
+    recomputable = []
+
+    def run(model, x, evict):
+        loss = model(x).square().mean()
+        if evict:
+            recomputable[:] = [e["recomputable"] for e in load_extension().entries()]
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    stats = _check(_FunctionStack, run, min_recomputes=6)
+    # x (the batch) and, per Function, its output and h; the last output and
+    # the final linear's input are the same storage.
+    assert len(recomputable) >= 7 and all(recomputable), recomputable
+    assert stats["swap_out_bytes"] == 0
+
+
+class _FilledBehindTheDispatcher(torch.autograd.Function):
+    """Stands for an extension kernel: its output is allocated through
+    aten::empty and written through a raw pointer (numpy here), which no
+    recorder and no version counter sees."""
+
+    @staticmethod
+    def forward(ctx, x):
+        scale = torch.empty_like(x)
+        scale.numpy()[:] = 1.0 + x.detach().numpy() ** 2
+        ctx.save_for_backward(scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale
+
+
+@pytest.mark.parametrize("where", ["forward", "function"])
+def test_a_tensor_filled_behind_the_dispatcher_is_swapped_not_replayed(where):
+    # Note [Contents nobody recorded]: replaying aten::empty would give back
+    # garbage where the kernel's values were. Such a storage is swap-only,
+    # in the forward itself or in a custom Function's.
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.a(x)
+            if where == "function":
+                return _FilledBehindTheDispatcher.apply(h)
+            scale = torch.empty_like(h)
+            scale.numpy()[:] = 1.0 + h.detach().numpy() ** 2
+            return h * scale  # saves scale (for h's gradient)
+
+    scales = []
+
+    def run(model, x, evict):
+        loss = model(x).square().mean()
+        if evict:
+            entries = sorted(load_extension().entries(), key=lambda e: e["pack_seq"])
+            scales[:] = [e["recomputable"] for e in entries if e["bytes"] == 32 * 64 * 4]
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    plain = _grads(Model, run)
+    both = _grads(Model, run, evict=True, actions="both")
+    assert torch.equal(plain[0], both[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], both[1][name]), name
+    # Saved, in pack order: the batch (made by randn: replayable), scale (for
+    # h's gradient) and the model's output (by square), whose replay would
+    # read scale, which may be gone by then.
+    assert scales == [True, False, False], scales
+    assert both[2]["swap_out_count"] >= 1

@@ -32,6 +32,7 @@ struct OpInfo {
   bool replayable = true;             // aten/prims and at most one non-scratch write
   bool random = false;                // tagged nondeterministic_seeded
   bool simple = false;                // one fresh Tensor out, no writes
+  bool undefined_contents = false;    // an empty tensor (Note [Contents nobody recorded])
   std::vector<bool> scratch;          // per argument: batch norm's running stats
   std::vector<size_t> writes;         // positions of written non-scratch arguments
   size_t num_arguments = 0;

@@ -23,6 +23,25 @@ const std::unordered_set<std::string>& not_recorded() {
 
 bool is_scratch_argument(const std::string& name) { return name == "running_mean" || name == "running_var"; }
 
+// Note [Contents nobody recorded]: an empty tensor's contents are whatever
+// writes it next. Written by recorded ops, they are its mutations and are
+// replayed after it; but a kernel that is not an operator (a pybind11
+// extension function, often inside a custom Function's forward: Note
+// [Custom Function forwards]) allocates its output through aten::empty and
+// fills it through a raw pointer, which neither a recorder nor the version
+// counter sees. Replayed, such a tensor would come back as an empty one:
+// garbage, silently. So a storage an empty op made is not replayable at
+// version 0 (as read before any recorded write), and it is swapped instead;
+// lineage.py's _EMPTY_OPS is the same list. A raw write after a recorded
+// one is still not seen (as for any tensor: writes through data_ptr() do not
+// bump the version counter).
+bool makes_empty_tensor(const std::string& qualified) {
+  static const std::unordered_set<std::string> names{"aten::empty",     "aten::empty_like",  "aten::empty_strided",
+                                                     "aten::new_empty", "aten::new_empty_strided",
+                                                     "aten::empty_permuted"};
+  return names.count(qualified) != 0;
+}
+
 bool decomposes_above_autograd(const c10::OperatorHandle& op) {
   using c10::DispatchKey;
   if (!op.hasKernelForDispatchKey(DispatchKey::CompositeImplicitAutograd)) return false;
@@ -77,6 +96,7 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
   }
   info->random = op.hasTag(at::Tag::nondeterministic_seeded);
   info->replayable = aten && unreplayable_writes <= 1;
+  info->undefined_contents = makes_empty_tensor(qualified);
   info->simple = !any_write && schema.returns().size() == 1 && schema.returns()[0].alias_info() == nullptr &&
                  schema.returns()[0].type()->kind() == c10::TypeKind::TensorType;
   if (not_recorded().count(qualified) != 0) {

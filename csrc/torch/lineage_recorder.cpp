@@ -82,6 +82,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "torch/function_forwards.h"
 #include "torch/saved_activation.h"
 
 namespace py = pybind11;
@@ -100,6 +101,7 @@ constexpr int64_t kForwardsKept = 2;
 struct Frame {
   bool blocks_children = false;
   bool silenced = false;  // this callback is off for the op's children (Note [Silenced children])
+  bool function_forward = false;  // a custom Function's forward (Note [Custom Function forwards])
   std::shared_ptr<OpNode> node;  // set while recording this op
   const OpInfo* info = nullptr;
   Clock::time_point start;
@@ -322,10 +324,17 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
     return;
   }
   const OpInfo* info = lookup_info(fn);
-  if (info == nullptr || info->kind == OpKind::kDecomposed) return;
+  if (info == nullptr) {
+    if (starts_function_forward(fn)) {
+      t_frames[slot].function_forward = true;
+      enter_function_forward();
+    }
+    return;
+  }
+  if (info->kind == OpKind::kDecomposed) return;
   t_frames[slot].blocks_children = true;
   ++t_blocking;
-  if (info->kind == OpKind::kSkip || !c10::GradMode::is_enabled() ||
+  if (info->kind == OpKind::kSkip || (!c10::GradMode::is_enabled() && !in_function_forward()) ||
       torch::autograd::get_current_graph_task_id() != -1) {
     return;  // backward, no_grad and optimizer steps are not recorded
   }
@@ -390,6 +399,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   Frame frame = std::move(t_frames.back());
   t_frames.pop_back();
   if (frame.blocks_children) --t_blocking;
+  if (frame.function_forward) leave_function_forward();
   if (frame.silenced && t_enabled && t_handle) at::reenableCallback(*t_handle);
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
@@ -518,6 +528,7 @@ void start_recording() {
   }
   t_frames.clear();
   t_blocking = 0;
+  reset_function_forwards();
   t_recording = true;
   t_enabled = true;
   t_handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_op_start, on_op_end)
@@ -532,6 +543,7 @@ void stop_recording() {
   t_handle.reset();
   t_frames.clear();
   t_blocking = 0;
+  reset_function_forwards();
   t_recording = false;
   RecorderState& s = state();
   std::vector<std::shared_ptr<void>> released;  // dropped after the lock
@@ -547,6 +559,7 @@ void bind_lineage(pybind11::module_& m) {
           "Record this thread's forward ops from C++ until stop() (Note [C++ lineage recorder]).");
   sub.def("stop", &stop_recording, "Stop recording on this thread and forget unmanaged lineage.");
   sub.def("recording", [] { return t_handle.has_value(); }, "Whether this thread records.");
+  bind_function_forwards(sub);
   sub.def("set_enabled", [](bool enabled) {
     t_enabled = enabled;
     if (!t_handle) return;

@@ -220,7 +220,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         native.set_recompute_callback(None)
         torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
         return
-    from .lineage import Lineage, LineageMode, hide_from_dynamo
+    from .lineage import Lineage, LineageMode, hide_from_dynamo, track_function_forwards
     from .replay import rebuild_entry, rebuild_entry_on_stream
 
     if resolve_lineage(config.lineage, device.type) == "cxx":
@@ -247,6 +247,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    track_function_forwards(native, True)
     _lineage_mode = LineageMode(lineage)
     _lineage_mode.__enter__()
     _lineage = lineage
@@ -412,6 +413,9 @@ def _pop_hooks() -> None:
             _unpark()  # already off the stack
         else:
             _lineage_mode.__exit__(None, None, None)
+        from .lineage import track_function_forwards
+
+        track_function_forwards(load_extension(), False)
         _lineage_mode = None
         _lineage = None
         _parking_allowed = True

@@ -27,10 +27,15 @@ entry calls back into :func:`membudget.replay.rebuild_entry`.
 
 Unrecomputable (they can still be swapped): outputs of ops outside the
 ``aten``/``prims`` namespaces or with side effects, ops whose mutated
-arguments are not replayable, and anything downstream of a tensor mutated in
-place that lineage did not see. Backward, replays and ``no_grad`` work are not
-recorded, and during ``optimizer.step()`` the mode is not even on the stack
-(Note [Lineage mode parked during optimizer steps] in ``_runtime.py``).
+arguments are not replayable, anything downstream of a tensor mutated in
+place that lineage did not see, and anything read from a storage an empty
+op made before a recorded op wrote it (Note [Contents nobody recorded] in
+csrc/torch/lineage_ops.cpp). Backward, replays and ``no_grad`` work are not
+recorded, except the forward of a custom ``autograd.Function``, which runs
+with grad off (Note [Custom Function forwards] in
+csrc/torch/function_forwards.cpp); during ``optimizer.step()`` the mode is not
+even on the stack (Note [Lineage mode parked during optimizer steps] in
+``_runtime.py``).
 
 Note [Recording fast path]: what the handler does per op is kept to what the
 op's schema says matters, computed once per overload (:class:`_FuncInfo`,
@@ -59,7 +64,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Lineage", "LineageMode", "OpNode", "StorageLineage", "ExternalLineage", "TensorRef", "storage_address",
-           "hide_from_dynamo"]
+           "hide_from_dynamo", "track_function_forwards"]
 
 _ATTR = "_membudget_lineage"
 _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
@@ -69,6 +74,11 @@ _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
 _SCRATCH_ARGUMENTS = frozenset({"running_mean", "running_var"})
 # Ops that never need replaying and whose outputs are not tensors worth a node.
 _NOT_RECORDED = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"})
+# Ops whose output's contents are whatever writes it next: not replayable as
+# read before a recorded write (Note [Contents nobody recorded] in
+# csrc/torch/lineage_ops.cpp, whose list this is).
+_EMPTY_OPS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                        "aten::new_empty_strided", "aten::empty_permuted"})
 _NO_KWARGS: Dict[str, Any] = {}  # shared by every node without keyword arguments: never mutated
 # Bumped each time Lineage.release_if_idle() lets go of what it held (Note
 # [Lineage released between steps]); a StorageLineage records the one it was
@@ -166,7 +176,7 @@ class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
     __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple",
-                 "func", "op", "tensor_args", "view")
+                 "func", "op", "tensor_args", "view", "undefined_contents")
 
     def __init__(self, func):
         schema = func._schema
@@ -199,6 +209,7 @@ class _FuncInfo:
         # A write to anything but the storage being rebuilt is a side effect;
         # those are replayed only on their own lineage (as mutations).
         self.replayable = namespace in _REPLAYABLE_NAMESPACES and len(unreplayable_writes) <= 1
+        self.undefined_contents = schema.name in _EMPTY_OPS
         # Profiler markers (torch.autograd.profiler.record_function, around
         # every optimizer step) compute nothing; recorded, the step's marker
         # began a forward between backward and the step (Note [Lineage
@@ -500,6 +511,15 @@ def _modelled_seconds(func, args, kwargs, out, device) -> float:
     return roofline_seconds(op_flops(func, args, kwargs, out), read + written, device, dtype, op_category(func))
 
 
+def track_function_forwards(native, on: bool) -> None:
+    """Turns on (or off) the native tracker of custom Function forwards on
+    this thread, which the mode asks when grad is off (Note [Custom Function
+    forwards] in csrc/torch/function_forwards.cpp)."""
+    global _in_function_forward
+    native.lineage.track_function_forwards(on)
+    _in_function_forward = native.lineage.in_function_forward if on else bool
+
+
 class LineageMode(TorchDispatchMode):
     """Records forward ops into a :class:`Lineage` (see the module docstring).
 
@@ -522,8 +542,10 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
         kwargs = _NO_KWARGS
     # Replays run with the mode off the stack (replay.rebuild_entry), and
     # backward normally does too (Note [Backward without the lineage mode]);
-    # the graph task check covers backward entered some other way.
-    if not info.recorded or _graph_task_id() != -1 or not _grad_enabled():
+    # the graph task check covers backward entered some other way. Grad is
+    # off in a custom Function's forward, which is recorded all the same
+    # (Note [Custom Function forwards] in csrc/torch/function_forwards.cpp).
+    if not info.recorded or _graph_task_id() != -1 or not (_grad_enabled() or _in_function_forward()):
         return info.op(*args, **kwargs)
     for kind in types:  # tensor subclasses (fake, functional, user wrappers): not ours
         if kind is not _PLAIN_TENSOR:
@@ -554,6 +576,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
 
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
+_in_function_forward = bool  # the native tracker's query once LineageMode is made (bool() is False)
 _clock = time.perf_counter
 _PLAIN_TENSOR = torch.Tensor
 LineageMode.__torch_dispatch__ = _lineage_dispatch  # Note [Raw dispatch handler]

@@ -23,7 +23,7 @@ from typing import Dict, FrozenSet, Set, Tuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .lineage import ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, storage_address
+from .lineage import ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, _func_info, storage_address
 
 __all__ = ["RecomputeError", "closure", "rebuild_entry", "rebuild_entry_on_stream", "rescue_dependents_of"]
 
@@ -63,6 +63,8 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
     deps: Set[int] = set()
     externals: Set[int] = set()
     nodes = [lineage.producer] + lineage.mutations[:version]
+    if version == 0 and _func_info(lineage.producer.func).undefined_contents:
+        return False, 0.0, set(), frozenset()  # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
     for node in nodes:
         ok = ok and node.replayable
         seconds += node.seconds

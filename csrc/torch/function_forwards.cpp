@@ -1,0 +1,97 @@
+// Note [Custom Function forwards]: torch.autograd.Function.apply runs the
+// forward of a custom Function with grad mode off, and both recorders skip
+// ops that run with grad mode off (no_grad work saves nothing). So the
+// tensors such a forward computes and saves with ctx.save_for_backward had
+// no lineage: they could only be swapped, and the one a later recorded op
+// read was held by the recorder as an input (a parameter, the batch) for
+// the rest of the step, where swapping its saved copy freed nothing
+// (measured: a stack of six such Functions fitted swap-only at 4.32 MiB and
+// needed 4.88 MiB with both actions; recompute-only could not drop them).
+// Yet grad was on when the Function was called, and its forward is part of
+// the forward being recorded. THPFunction_apply opens a RecordFunction named
+// after the Function's class around the whole call, before grad mode is
+// turned off: a FUNCTION-scope record that is not an operator call. Opened
+// with grad mode on and outside backward, it marks the ops under it as
+// recordable on this thread until it closes. Other non-operator records
+// under grad mode (TorchScript calls) run their ops with grad on anyway,
+// so marking them changes nothing. The ops recorded this way are replayed
+// like any others; Note [Contents nobody recorded] (lineage_ops.cpp and
+// lineage.py) keeps a kernel's raw writes, which such forwards often make
+// into an empty tensor, from being "replayed" as an empty tensor.
+#include "torch/function_forwards.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <optional>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace membudget {
+namespace lineage {
+namespace {
+
+thread_local int t_function_forwards = 0;
+// The Python recorder's callback on this thread (track_function_forwards).
+thread_local std::optional<at::CallbackHandle> t_tracker;
+
+// Whether a record names an operator, by the address of its name (stable:
+// an operator's schema name, or a Function class's tp_name). Asking the
+// record itself builds an OperatorName, two string copies per op.
+bool names_an_operator(const at::RecordFunction& fn) {
+  thread_local std::unordered_map<const void*, bool> cache;
+  const void* key = fn.name();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool op = fn.operator_name().has_value();
+  cache.emplace(key, op);
+  return op;
+}
+
+// Something non-null for the records that opened a forward: what the end
+// callback receives back, so no stack of its own is kept.
+struct OpenedForward final : at::ObserverContext {};
+
+std::unique_ptr<at::ObserverContext> on_record_start(const at::RecordFunction& fn) {
+  if (!starts_function_forward(fn)) return nullptr;
+  enter_function_forward();
+  return std::make_unique<OpenedForward>();
+}
+
+void on_record_end(const at::RecordFunction&, at::ObserverContext* opened) {
+  if (opened != nullptr) leave_function_forward();
+}
+
+}  // namespace
+
+bool starts_function_forward(const at::RecordFunction& fn) {
+  return fn.scope() == at::RecordScope::FUNCTION && c10::GradMode::is_enabled() &&
+         torch::autograd::get_current_graph_task_id() == -1 && !names_an_operator(fn);
+}
+
+void enter_function_forward() { ++t_function_forwards; }
+void leave_function_forward() {
+  if (t_function_forwards > 0) --t_function_forwards;
+}
+bool in_function_forward() { return t_function_forwards > 0; }
+void reset_function_forwards() { t_function_forwards = 0; }
+
+void bind_function_forwards(pybind11::module_& lineage_module) {
+  lineage_module.def("track_function_forwards", [](bool on) {
+    if (on == t_tracker.has_value()) return;
+    reset_function_forwards();
+    if (on) {
+      t_tracker = at::addThreadLocalCallback(at::RecordFunctionCallback(on_record_start, on_record_end)
+                                                 .scopes({at::RecordScope::FUNCTION}));
+    } else {
+      at::removeCallback(*t_tracker);
+      t_tracker.reset();
+    }
+  }, pybind11::arg("on"), "Track, on this thread, which ops run inside a custom autograd.Function's forward "
+     "(Note [Custom Function forwards]); for the Python recorder.");
+  lineage_module.def("in_function_forward", &in_function_forward,
+                     "Whether this thread is inside a custom autograd.Function's forward called with grad on.");
+}
+
+}  // namespace lineage
+}  // namespace membudget

@@ -1,0 +1,29 @@
+// Which ops run inside the forward of a custom torch.autograd.Function: see
+// Note [Custom Function forwards] in function_forwards.cpp.
+#pragma once
+
+#include <ATen/record_function.h>
+#include <torch/extension.h>
+
+namespace membudget {
+namespace lineage {
+
+// Whether `fn` is the RecordFunction that Function.apply opens around a
+// custom Function's forward, called with grad mode on outside backward.
+// Recording thread only.
+bool starts_function_forward(const at::RecordFunction& fn);
+// The calling thread entered / left such a forward.
+void enter_function_forward();
+void leave_function_forward();
+// Whether the calling thread is inside one (grad mode is off there).
+bool in_function_forward();
+// Resets this thread's count (a recorder starting or stopping).
+void reset_function_forwards();
+
+// Binds track_function_forwards(on) and in_function_forward() into the
+// lineage submodule, for the Python recorder, which sees ops from a
+// TorchDispatchMode and not Function.apply's RecordFunction.
+void bind_function_forwards(pybind11::module_& lineage_module);
+
+}  // namespace lineage
+}  // namespace membudget
