@@ -55,7 +55,11 @@ bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
 void ResidencyManager::drop_planned() {
   for (size_t i = 0; i < planned_.size();) {
     ResidencyEntry* entry = planned_[i];
-    if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry)) {
+    if (!entry->recomputable_) {
+      // Declared unrecomputable since it was planned (rescued, or a second
+      // history found for its storage: Note [One history per storage]).
+      planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry)) {
       planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
       drop_for_recompute(entry);
       ++counters_.planned_drops;

@@ -95,6 +95,10 @@ struct StorageLineage {
   std::vector<std::weak_ptr<OpNode>> mutations;
   std::vector<int64_t> versions;                // after producer, after each write
   c10::weak_intrusive_ptr<c10::TensorImpl> base;
+  // Several outputs of one op share this storage without being views
+  // (unsafe_chunk): it has several histories and is never rebuilt (Note
+  // [One history per storage] in lineage.py).
+  bool ambiguous = false;
   int64_t generation = 0;
   uint64_t entry_id = 0;                        // 0: not managed
   // version -> closure, valid while memo_epoch equals the recorder's epoch

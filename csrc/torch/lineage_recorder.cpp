@@ -77,6 +77,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <stdexcept>
@@ -217,8 +218,14 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.scratch = scratch;
   if (tensor.has_storage() && !scratch) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
-    if (it != s.by_storage.end() && ref.tensor_version == it->second.lineage->versions.back() &&
-        !history_released(*it->second.lineage)) {
+    if (it != s.by_storage.end() && (it->second.lineage->ambiguous ||
+                                     (ref.tensor_version == it->second.lineage->versions.back() &&
+                                      !history_released(*it->second.lineage)))) {
+      // An ambiguous storage's outputs keep version counters of their own,
+      // so its reads rarely match its versions; held as inputs, they kept
+      // it alive for the whole step (a CPU GRU's input projection: 1.1 MiB
+      // of 13.6 at its peak). Referenced instead: its readers are
+      // unreplayable (Note [One history per storage] in lineage.py).
       ref.lineage = it->second.lineage;
       ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
       return ref;
@@ -379,10 +386,17 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   t_frames[slot].start = Clock::now();
 }
 
+// Gives t's storage the lineage (node, index). `attached` lists the storages
+// this op's earlier outputs were given: one given twice has several
+// histories (Note [One history per storage] in lineage.py), each output
+// written in place through itself under its own version counter, which a
+// storage keyed lineage cannot tell apart; it is marked unreplayable.
 void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t,
-                   Deferred& deferred) {
+                   Deferred& deferred, c10::SmallVector<c10::StorageImpl*, 4>& attached) {
   if (!t.defined() || !t.has_storage() || !is_plain(t)) return;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  const bool again = std::find(attached.begin(), attached.end(), impl) != attached.end();
+  attached.push_back(impl);
   c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
   RecorderState::Recorded recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)};
   auto [it, inserted] = s.by_storage.try_emplace(impl, std::move(recorded));
@@ -390,6 +404,7 @@ void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_
     deferred.released.push_back(std::move(it->second.lineage));
     it->second = std::move(recorded);
   }
+  it->second.lineage->ambiguous = again;
 }
 
 void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred);
@@ -431,16 +446,17 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
   }
   const c10::FunctionSchema& schema = info.op.schema();
   const std::vector<c10::IValue>& outputs = fn.outputs();
+  c10::SmallVector<c10::StorageImpl*, 4> attached;
   int64_t index = 0;
   for (size_t r = 0; r < outputs.size(); ++r) {
     const bool aliased = r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr;
     const c10::IValue& value = outputs[r];
     if (value.isTensor()) {
-      if (!aliased) attach_output(s, frame.node, index, value.toTensor(), deferred);
+      if (!aliased) attach_output(s, frame.node, index, value.toTensor(), deferred, attached);
       ++index;
     } else if (value.isTensorList()) {
       for (const at::Tensor& t : value.toTensorList().vec()) {
-        if (!aliased) attach_output(s, frame.node, index, t, deferred);
+        if (!aliased) attach_output(s, frame.node, index, t, deferred, attached);
         ++index;
       }
     } else {

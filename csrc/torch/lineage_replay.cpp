@@ -52,8 +52,9 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
     if (writer == nullptr) return result;  // truncated (Note [Lineage ownership])
     nodes.push_back(std::move(writer));
   }
-  // Note [Contents nobody recorded] (lineage_ops.cpp).
+  // Note [Contents nobody recorded] (lineage_ops.cpp); Note [One history per storage] (lineage.py).
   if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
+  if (lineage->ambiguous) return result;
   for (const auto& node : nodes) {
     ok = ok && node->replayable;
     seconds += node->seconds;

@@ -176,7 +176,7 @@ class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
     __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple",
-                 "func", "op", "tensor_args", "view", "undefined_contents")
+                 "func", "op", "tensor_args", "view", "undefined_contents", "undeclared_aliases")
 
     def __init__(self, func):
         schema = func._schema
@@ -210,6 +210,11 @@ class _FuncInfo:
         # those are replayed only on their own lineage (as mutations).
         self.replayable = namespace in _REPLAYABLE_NAMESPACES and len(unreplayable_writes) <= 1
         self.undefined_contents = schema.name in _EMPTY_OPS
+        # Several outputs and no alias declared for any: they may still share
+        # one storage (unsafe_chunk; Note [One history per storage]).
+        self.undeclared_aliases = len(schema.returns) > 1 or (
+            len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor")
+        self.undeclared_aliases = self.undeclared_aliases and all(r.alias_info is None for r in schema.returns)
         # Profiler markers (torch.autograd.profiler.record_function, around
         # every optimizer step) compute nothing; recorded, the step's marker
         # began a forward between backward and the step (Note [Lineage
@@ -264,6 +269,9 @@ class Lineage:
         self.op_index = 0                   # recorded ops in this forward
         self.externals: Dict[int, ExternalLineage] = {}
         self.by_entry: Dict[int, StorageLineage] = {}
+        # Lineages of outputs that share a storage with another output of
+        # the same op (Note [One history per storage]).
+        self.ambiguous: "weakref.WeakSet[StorageLineage]" = weakref.WeakSet()
         self.in_backward = False
         self.ops_recorded = 0
 
@@ -407,6 +415,7 @@ class Lineage:
             if isinstance(target, torch.Tensor):
                 self._record_write(node, target)
         outputs = out if isinstance(out, (tuple, list)) else (out,)
+        by_storage: Optional[Dict[int, StorageLineage]] = {} if info.undeclared_aliases else None
         for index, output in enumerate(outputs):
             alias = info.aliases[index] if index < len(info.aliases) else None
             if alias is not None:
@@ -415,7 +424,13 @@ class Lineage:
                 self._share_lineage(output, source)
             elif isinstance(output, torch.Tensor):
                 if type(output) is torch.Tensor:
-                    setattr(output, _ATTR, StorageLineage(node, index, output))
+                    lineage = StorageLineage(node, index, output)
+                    setattr(output, _ATTR, lineage)
+                    if by_storage is not None:
+                        other = by_storage.setdefault(storage_address(output), lineage)
+                        if other is not lineage:
+                            self.ambiguous.add(other)
+                            self.ambiguous.add(lineage)
 
     def _share_lineage(self, output, source) -> None:
         # A view (or in-place result) shares its source's storage lineage.
@@ -450,6 +465,22 @@ class Lineage:
         """Declares to the manager how a newly managed storage can be rebuilt."""
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
+            return
+        declared = self.by_entry.get(handle.entry_id)
+        if declared is not None and (lineage in self.ambiguous or declared in self.ambiguous):
+            # Note [One history per storage]: residency is per storage, and
+            # an op whose outputs share one storage without being declared
+            # views (unsafe_chunk, unsafe_split: a CPU GRU cell's gates)
+            # gives each output a lineage of its own, with its own version
+            # counter, and each is written in place through itself. Rebuilt
+            # from one of those histories, the storage would lack the others'
+            # writes: a GRU trained recompute-only got wrong gradients,
+            # silently. A storage packed under two such lineages is swap-only;
+            # what reads it can still be replayed, reading it as a managed
+            # input (Note [Storage lineage]). Declared views (split, chunk)
+            # share one version counter: a write through one is seen by all.
+            lineage.entry_id = handle.entry_id
+            self.native.set_recompute_info(handle.entry_id, False, 0.0, [])
             return
         base = lineage.base()
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
