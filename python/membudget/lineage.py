@@ -315,7 +315,12 @@ class Lineage:
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is StorageLineage:
             if tensor._version == lineage.versions[-1] and lineage.generation == _generation:
-                return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
+                try:
+                    return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
+                except RuntimeError:
+                    if tensor.layout is torch.strided:
+                        raise
+                    # Note [Tensors without storage]: read as held inputs.
             # Written where lineage could not see (no_grad code such as weight
             # init, another thread), or made before the recorder let go of
             # what it held (Note [Lineage released between steps]): from here
@@ -325,6 +330,13 @@ class Lineage:
         held = self.externals.get(id(tensor))
         if held is None or held.tensor is not tensor:
             held = self.externals[id(tensor)] = ExternalLineage(tensor)
+        if tensor.layout is not torch.strided:
+            # Note [Tensors without storage]: a sparse (or other non-strided)
+            # tensor has no strides nor storage offset to rebuild a view
+            # from; it is held and handed to the replay as it is (its geometry
+            # fields are None). The op reading it is recorded as usual
+            # (torch.sparse.mm(adjacency, x) replays with the held adjacency).
+            return _tuple_new(TensorRef, (held, 0, tensor._version, tensor.size(), None, 0, tensor.dtype, scratch))
         return _new_ref(held, 0, tensor, scratch)
 
     def _template(self, value, refs: List[TensorRef], scratch: bool = False):
@@ -515,8 +527,14 @@ def _bind_replay_closure():
 def storage_address(tensor: torch.Tensor) -> int:
     """Start address of the tensor's storage. Computed from the data pointer
     because ``untyped_storage()`` creates a Python storage object that keeps
-    the storage referenced (and thus never evictable) for as long as it lives."""
-    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+    the storage referenced (and thus never evictable) for as long as it lives.
+    0 for a tensor without one (sparse: Note [Tensors without storage])."""
+    try:
+        return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+    except RuntimeError:
+        if tensor.layout is torch.strided:
+            raise
+        return 0
 
 
 def _capture_generator(args, kwargs) -> Optional[Tuple[torch.Generator, torch.Tensor]]:

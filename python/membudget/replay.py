@@ -227,6 +227,8 @@ class _Replayer:
 
 
 def _view(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    if ref.strides is None:
+        return holder  # held as it is (Note [Tensors without storage] in lineage.py)
     if (holder.dtype == ref.dtype and holder.storage_offset() == ref.offset and tuple(holder.size()) == ref.sizes
             and tuple(holder.stride()) == ref.strides):
         return holder
