@@ -57,6 +57,9 @@ struct TensorRef {
   int64_t offset = 0;
   at::ScalarType dtype = at::ScalarType::Undefined;
   bool scratch = false;
+  // Conjugate and negative bits (Note [Conjugate and negative views] in lineage.py).
+  bool conj = false;
+  bool neg = false;
 };
 
 // One argument position of a recorded op: a plain value, or where its

@@ -216,6 +216,8 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.offset = tensor.storage_offset();
   ref.dtype = tensor.scalar_type();
   ref.scratch = scratch;
+  ref.conj = tensor.is_conj();
+  ref.neg = tensor.is_neg();
   if (tensor.has_storage() && !scratch) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
     if (it != s.by_storage.end() && (it->second.lineage->ambiguous ||

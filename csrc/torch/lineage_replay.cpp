@@ -239,15 +239,43 @@ class Replayer {
   static at::Tensor as_recorded(at::Tensor holder, const TensorRef& ref) {
     if (holder.scalar_type() == ref.dtype && holder.storage_offset() == ref.offset &&
         holder.sizes().equals(ref.sizes) && holder.strides().equals(ref.strides)) {
-      return holder;
+      return with_bits(std::move(holder), ref);
     }
-    if (holder.scalar_type() != ref.dtype) {
-      if (holder.dim() != 1 || holder.storage_offset() != 0 || holder.element_size() != 1) {
-        throw ReplayError("membudget: cannot reinterpret a replay input as another dtype");
+    if (holder.scalar_type() != ref.dtype) holder = as_dtype(std::move(holder), ref);
+    return with_bits(holder.as_strided(ref.sizes, ref.strides, ref.offset), ref);
+  }
+
+  // The holder's storage, from its start, as elements of ref.dtype: enough
+  // of them for ref's view. A manager's storage comes as bytes; a live
+  // tensor (z, where z.conj().imag was read) in its own dtype, whose bytes
+  // are taken as they are (replay.py's _as_dtype).
+  static at::Tensor as_dtype(at::Tensor holder, const TensorRef& ref) {
+    if (holder.dim() != 1 || holder.storage_offset() != 0 || holder.element_size() != 1) {
+      if (holder.is_conj()) holder = at::_conj(holder);
+      if (holder.is_neg()) holder = at::_neg_view(holder);
+      int64_t extent = 1 + ref.offset;
+      for (size_t d = 0; d < ref.sizes.size(); ++d) {
+        if (ref.sizes[d] == 0) extent = 0;
+        if (extent != 0) extent += (ref.sizes[d] - 1) * ref.strides[d];
       }
-      holder = holder.view(ref.dtype);  // whole storage as bytes -> as elements
+      const int64_t bytes = extent * static_cast<int64_t>(c10::elementSize(ref.dtype));
+      const int64_t item = static_cast<int64_t>(holder.element_size());
+      try {
+        holder = holder.as_strided({(bytes + item - 1) / item}, {1}, 0).view(at::kByte);
+      } catch (const c10::Error& error) {
+        throw ReplayError(std::string("membudget: cannot reinterpret a replay input as another dtype: ") +
+                          error.what_without_backtrace());
+      }
     }
-    return holder.as_strided(ref.sizes, ref.strides, ref.offset);
+    return holder.view(ref.dtype);
+  }
+
+  // The conjugate and negative bits as recorded (Note [Conjugate and
+  // negative views] in lineage.py); each flip is a view.
+  static at::Tensor with_bits(at::Tensor view, const TensorRef& ref) {
+    if (view.is_conj() != ref.conj) view = at::_conj(view);
+    if (view.is_neg() != ref.neg) view = at::_neg_view(view);
+    return view;
   }
 
   at::Tensor recorded_on_side_stream(at::Tensor tensor) const {

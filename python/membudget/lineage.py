@@ -131,7 +131,7 @@ class TensorRef(tuple):
     with no Python frame, and fields read through C getters."""
 
     __slots__ = ()
-    _fields = ("lineage", "version", "tensor_version", "sizes", "strides", "offset", "dtype", "scratch")
+    _fields = ("lineage", "version", "tensor_version", "sizes", "strides", "offset", "dtype", "scratch", "bits")
 
     def __new__(cls, lineage, version: int, tensor: torch.Tensor, scratch: bool = False):
         return _new_ref(lineage, version, tensor, scratch)
@@ -146,9 +146,17 @@ _tuple_new = tuple.__new__
 
 
 def _new_ref(lineage, version: int, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
-    """A :class:`TensorRef` to ``tensor`` read through ``lineage`` at ``version``."""
+    """A :class:`TensorRef` to ``tensor`` read through ``lineage`` at ``version``.
+
+    Note [Conjugate and negative views]: ``z.conj()`` is a view that differs
+    from ``z`` by a bit, not by its geometry (the values are conjugated when
+    read), as is the negative view ``z.conj().imag`` gives. A replay rebuilt
+    such an input from sizes and strides alone, as ``z``, and a complex model
+    trained recompute-only got wrong gradients, silently. So a reference
+    keeps the bits too (1: conjugate, 2: negative) and the replay sets them."""
     return _tuple_new(TensorRef, (lineage, version, tensor._version, tensor.size(), tensor.stride(),
-                                  tensor.storage_offset(), tensor.dtype, scratch))
+                                  tensor.storage_offset(), tensor.dtype, scratch,
+                                  tensor.is_conj() + 2 * tensor.is_neg()))
 
 
 class OpNode:
@@ -336,7 +344,7 @@ class Lineage:
             # from; it is held and handed to the replay as it is (its geometry
             # fields are None). The op reading it is recorded as usual
             # (torch.sparse.mm(adjacency, x) replays with the held adjacency).
-            return _tuple_new(TensorRef, (held, 0, tensor._version, tensor.size(), None, 0, tensor.dtype, scratch))
+            return _tuple_new(TensorRef, (held, 0, tensor._version, tensor.size(), None, 0, tensor.dtype, scratch, 0))
         return _new_ref(held, 0, tensor, scratch)
 
     def _template(self, value, refs: List[TensorRef], scratch: bool = False):

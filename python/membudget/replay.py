@@ -231,11 +231,41 @@ def _view(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
         return holder  # held as it is (Note [Tensors without storage] in lineage.py)
     if (holder.dtype == ref.dtype and holder.storage_offset() == ref.offset and tuple(holder.size()) == ref.sizes
             and tuple(holder.stride()) == ref.strides):
-        return holder
+        return _with_bits(holder, ref.bits)
+    return _with_bits(_geometry(holder, ref), ref.bits)
+
+
+def _with_bits(view: torch.Tensor, bits: int) -> torch.Tensor:
+    """``view`` with the conjugate and negative bits of the reference (Note
+    [Conjugate and negative views] in lineage.py); each flip is a view."""
+    if view.is_conj() != bool(bits & 1):
+        view = torch._conj(view)
+    if view.is_neg() != bool(bits & 2):
+        view = torch._neg_view(view)
+    return view
+
+
+def _geometry(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     if holder.dtype != ref.dtype:
-        if holder.dim() != 1 or holder.storage_offset() != 0 or holder.element_size() != 1:
-            raise RecomputeError("membudget: cannot reinterpret a replay input as another dtype")
-        holder = holder.view(ref.dtype)  # whole storage as bytes -> as elements
+        holder = _as_dtype(holder, ref)
     # as_strided addresses the holder's storage directly (untyped_storage()
     # would create a Python storage object that pins it; see storage_address).
     return torch.as_strided(holder, ref.sizes, ref.strides, ref.offset)
+
+
+def _as_dtype(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """The holder's storage, from its start, as elements of ``ref.dtype``:
+    enough of them for ``ref``'s view. A manager's storage comes as bytes; a
+    live tensor (``z``, where ``z.conj().imag`` was read) in its own dtype,
+    whose bytes are taken as they are (its view bits are the reference's
+    business, set after)."""
+    if holder.dim() != 1 or holder.storage_offset() != 0 or holder.element_size() != 1:
+        holder = _with_bits(holder, 0)
+        extent = 0 if 0 in ref.sizes else 1 + ref.offset + sum((n - 1) * st for n, st in zip(ref.sizes, ref.strides))
+        itemsize = torch.empty((), dtype=ref.dtype, device="meta").element_size()
+        count = -(-extent * itemsize // holder.element_size())
+        try:
+            holder = torch.as_strided(holder, (count,), (1,), 0).view(torch.uint8)
+        except RuntimeError as error:
+            raise RecomputeError(f"membudget: cannot reinterpret a replay input as {ref.dtype}: {error}") from None
+    return holder.view(ref.dtype)
