@@ -159,3 +159,25 @@ def test_oom_under_recompute_only_names_what_it_cannot_release():
     stats = membudget.memory_stats()
     assert stats["reserved_bytes.all.peak"] <= budget
     assert stats["swap_out_bytes"] > 0
+
+
+@pytest.mark.parametrize("budget, actions", [(None, "swap"), (256 * MiB, "both"), (256 * MiB, "recompute")])
+@pytest.mark.parametrize("size", [8, 512])  # unmanaged (below min_tensor_bytes) and managed
+def test_a_saved_tensor_modified_in_place_raises_autograd_error(budget, actions, size):
+    # Note [Saved versions checked]: autograd does not check versions through
+    # saved-tensor hooks; membudget's unpack does, so this raises as in plain
+    # PyTorch instead of returning twice the gradient.
+    membudget.install(budget=budget, actions=actions, min_tensor_bytes=64 * 1024)
+    try:
+        w = torch.randn(size, size, requires_grad=True)
+        y = (w * 1.0).exp()  # exp saves its output
+        y.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation.*is at version 1; expected version 0"):
+            y.sum().backward()
+        # Unmodified, the same graph shape trains.
+        w.grad = None
+        z = (w * 1.0).exp()
+        z.sum().backward()
+        assert torch.equal(w.grad, z.detach())
+    finally:
+        membudget.uninstall()

@@ -251,15 +251,57 @@ void run_recompute_ahead(Runtime& runtime) {
 
 }  // namespace
 
+// Note [Saved versions checked]: autograd checks that a saved tensor was not
+// modified in place between forward and backward ("one of the variables
+// needed for gradient computation has been modified by an inplace
+// operation") only when no saved-tensor hooks are set: it cannot follow a
+// version through them (SavedVariable::unpack). With membudget's hooks on,
+// y = w.exp(); y.mul_(2); y.sum().backward() ran and returned 2x the true
+// gradient, silently, with or without a budget. So pack keeps the tensor's
+// version counter (the shared counter, not the tensor) and its value, and
+// unpack raises autograd's error when they differ, before materialising
+// anything.
+namespace {
+
+c10::VariableVersion version_counter_of(const at::Tensor& tensor) {
+  return tensor.unsafeGetTensorImpl()->version_counter();
+}
+
+uint32_t current_version(const c10::VariableVersion& counter) {
+  return counter.enabled() ? counter.current_version() : 0;  // inference tensors keep none
+}
+
+[[noreturn]] void throw_modified(const std::string& what, uint32_t saved, uint32_t now) {
+  throw std::runtime_error(
+      "one of the variables needed for gradient computation has been modified by an inplace operation: " + what +
+      " is at version " + std::to_string(now) + "; expected version " + std::to_string(saved) +
+      " instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+      "with torch.autograd.set_detect_anomaly(True). (Checked by membudget: autograd skips this check while "
+      "saved-tensor hooks are set.)");
+}
+
+std::string describe(at::ScalarType dtype, c10::IntArrayRef sizes, c10::Device device) {
+  std::string text = "[" + std::string(device.is_cuda() ? "torch.cuda." : "torch.") +
+                     c10::toString(dtype) + "Tensor [";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]]";
+}
+
+}  // namespace
+
 SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view)
     : residency_(std::move(residency)),
       sizes_(view.sizes().vec()),
       strides_(view.strides().vec()),
       storage_offset_(view.storage_offset()),
       dtype_(view.scalar_type()),
-      device_(view.device()) {}
+      device_(view.device()),
+      version_counter_(version_counter_of(view)),
+      saved_version_(current_version(version_counter_)) {}
 
 at::Tensor SavedActivation::unpack() const {
+  const uint32_t now = current_version(version_counter_);
+  if (now != saved_version_) throw_modified(describe(dtype_, sizes_, device_), saved_version_, now);
   Runtime* runtime = Runtime::get();
   const bool on_cpu = runtime != nullptr && runtime->device_kind() == "cpu";
   if (on_cpu && runtime->manager().recompute_ahead_pending()) {
@@ -296,8 +338,9 @@ py::object pack_saved_tensor(const at::Tensor& tensor) {
     // identity hooks leak the same way in plain PyTorch). tensor_data()
     // shares storage and version counter and, unlike detach(), is no op: the
     // lineage recorder and profilers do not see it. Autograd rebuilds the
-    // variable on unpack.
-    return py::cast(tensor.tensor_data());
+    // variable on unpack. Its version goes with it (Note [Saved versions
+    // checked]).
+    return py::make_tuple(tensor.tensor_data(), current_version(version_counter_of(tensor)));
   }
   const c10::StorageImpl* impl = tensor.storage().unsafeGetStorageImpl();
   std::shared_ptr<StorageResidency> residency;
@@ -324,6 +367,14 @@ py::object pack_saved_tensor(const at::Tensor& tensor) {
 py::object unpack_saved_tensor(const py::object& packed) {
   if (py::isinstance<SavedActivation>(packed)) {
     return py::cast(packed.cast<const SavedActivation&>().unpack());
+  }
+  if (py::isinstance<py::tuple>(packed)) {  // unmanaged: (tensor, version when packed)
+    py::tuple pair = packed.cast<py::tuple>();
+    const at::Tensor tensor = pair[0].cast<at::Tensor>();
+    const uint32_t saved = pair[1].cast<uint32_t>();
+    const uint32_t now = current_version(version_counter_of(tensor));
+    if (now != saved) throw_modified(describe(tensor.scalar_type(), tensor.sizes(), tensor.device()), saved, now);
+    return pair[0];
   }
   return packed;
 }

@@ -54,11 +54,17 @@ class SavedActivation {
   int64_t storage_offset_;
   at::ScalarType dtype_;
   c10::Device device_;
+  // The saved tensor's version counter (shared, not the tensor) and its
+  // value when packed (Note [Saved versions checked]).
+  c10::VariableVersion version_counter_;
+  uint32_t saved_version_ = 0;
 };
 
-// The pack hook: returns a SavedActivation for managed activations, the
-// tensor detached (Note [Pack without a cycle]) for everything else (parameters, small tensors, tensors whose
-// memory is not ours, subclasses). Called with the GIL held.
+// The pack hook: returns a SavedActivation for managed activations, and for
+// everything else (parameters, small tensors, tensors whose memory is not
+// ours, subclasses) a tuple of the tensor detached (Note [Pack without a
+// cycle]) and its version (Note [Saved versions checked]). Called with the
+// GIL held.
 pybind11::object pack_saved_tensor(const at::Tensor& tensor);
 // The unpack hook: the inverse of pack_saved_tensor.
 pybind11::object unpack_saved_tensor(const pybind11::object& packed);
