@@ -19,6 +19,9 @@ class RunResult:
     params: Dict[str, torch.Tensor]
     stats: Dict[str, float] = field(default_factory=dict)
     per_step: List[Dict[str, float]] = field(default_factory=list)
+    # Buffers too (batch norm's running statistics): a replay that updated
+    # them again changed no parameter (tests/test_recompute_cases.py).
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # One training step of a loop shaped otherwise (tests/test_training_loops.py):
@@ -52,9 +55,10 @@ def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss
         if after_step is not None:
             after_step(step)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     del model, optimizer
     gc.collect()
-    return RunResult(losses, params)
+    return RunResult(losses, params, buffers=buffers)
 
 
 def run_plain(build, batch, loss_fn, steps: int, step_fn: Optional[StepFn] = None) -> RunResult:
@@ -79,16 +83,20 @@ def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], step_f
     membudget.uninstall()
     # The clones were made while installed: copy them out of our memory.
     result.params = {k: v.clone() for k, v in result.params.items()}
+    result.buffers = {k: v.clone() for k, v in result.buffers.items()}
     gc.collect()
     return result
 
 
 def assert_identical(reference: RunResult, managed: RunResult) -> None:
-    """Losses and every parameter equal bit for bit."""
+    """Losses, every parameter and every buffer equal bit for bit."""
     assert managed.losses == reference.losses, (managed.losses, reference.losses)
     assert reference.params.keys() == managed.params.keys()
     for name, value in reference.params.items():
         assert torch.equal(value, managed.params[name]), f"parameter {name} differs"
+    assert reference.buffers.keys() == managed.buffers.keys()
+    for name, value in reference.buffers.items():
+        assert torch.equal(value, managed.buffers[name]), f"buffer {name} differs"
 
 
 def reference_and_half_peak(work, steps: int, min_tensor_bytes: int):

@@ -69,12 +69,14 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
   bool any_write = false;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const c10::Argument& arg = schema.arguments()[i];
+    // Written or not by the schema: native_batch_norm and cudnn_batch_norm
+    // update their running statistics without declaring it (lineage.py's
+    // _FuncInfo says what replays did to the real buffers).
+    if (is_scratch_argument(arg.name())) info->scratch[i] = true;
     const c10::AliasInfo* alias = arg.alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
     any_write = true;
-    if (is_scratch_argument(arg.name())) {
-      info->scratch[i] = true;
-    } else {
+    if (!is_scratch_argument(arg.name())) {
       info->writes.push_back(i);
       ++unreplayable_writes;
     }
@@ -84,11 +86,16 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
     const c10::AliasInfo* alias = ret.alias_info();
     bool aliases_argument = false;
     if (alias != nullptr) {
+      // Tensor(a)[] (split, chunk, unbind): the set is on the list's elements.
+      std::vector<const c10::AliasInfo*> infos{alias};
+      for (const c10::AliasInfo& contained : alias->containedTypes()) infos.push_back(&contained);
       for (const c10::Argument& arg : schema.arguments()) {
         const c10::AliasInfo* arg_alias = arg.alias_info();
         if (arg_alias == nullptr) continue;
-        for (const auto& set : alias->beforeSets()) {
-          if (arg_alias->beforeSets().count(set) != 0) aliases_argument = true;
+        for (const c10::AliasInfo* info : infos) {
+          for (const auto& set : info->beforeSets()) {
+            if (arg_alias->beforeSets().count(set) != 0) aliases_argument = true;
+          }
         }
       }
     }

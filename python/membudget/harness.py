@@ -15,7 +15,7 @@ process), so each run is a fresh ``python`` process: :func:`spawn_worker` starts
 one with a :class:`RunSpec` as JSON and reads back one JSON result line, which
 :func:`run_worker` (called by the worker's ``--worker`` entry point) prints.
 A result holds the exact loss floats (JSON keeps a float's every bit) and a
-SHA-256 digest of every parameter's bytes, so "identical" is decided without
+SHA-256 digest of every parameter's and buffer's bytes, so "identical" is decided without
 shipping tensors between processes.
 """
 from __future__ import annotations
@@ -164,12 +164,17 @@ class RunSpec:
 
 
 def parameter_digest(model) -> str:
-    """SHA-256 over every parameter's name, dtype, shape and raw bytes, in
-    ``named_parameters()`` order: equal digests mean bit-identical parameters."""
+    """SHA-256 over every parameter's and then every buffer's name, dtype,
+    shape and raw bytes, in ``named_parameters()`` and ``named_buffers()``
+    order: equal digests mean bit-identical parameters and buffers (batch
+    norm's running statistics are buffers: a replay that updated them again
+    changed no parameter)."""
+    import itertools
+
     import torch
 
     digest = hashlib.sha256()
-    for name, parameter in model.named_parameters():
+    for name, parameter in itertools.chain(model.named_parameters(), model.named_buffers()):
         value = parameter.detach().cpu().contiguous()
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
         digest.update(value.view(-1).view(dtype=torch.uint8).numpy().tobytes())

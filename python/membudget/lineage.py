@@ -192,6 +192,13 @@ class _FuncInfo:
         self.writes: List[Tuple[int, str]] = []  # (position, name) of mutated arguments
         self.scratch = set()
         for position, arg in enumerate(schema.arguments):
+            if arg.name in _SCRATCH_ARGUMENTS:
+                # Written or not by the schema: native_batch_norm (the CPU's)
+                # and cudnn_batch_norm update their running statistics without
+                # declaring it, and replays updated the real buffers again
+                # (one BatchNorm1d's running mean 3.4x plain's after backward
+                # with every activation dropped).
+                self.scratch.add(arg.name)
             info = arg.alias_info
             if info is None:
                 continue
@@ -199,8 +206,6 @@ class _FuncInfo:
                 arg_sets.setdefault(alias, (position, arg.name))
             if info.is_write:
                 self.writes.append((position, arg.name))
-                if arg.name in _SCRATCH_ARGUMENTS:
-                    self.scratch.add(arg.name)
         # Output i aliases which argument (views and in-place/out= results).
         self.aliases: List[Optional[Tuple[int, str]]] = []
         for ret in schema.returns:
@@ -210,6 +215,15 @@ class _FuncInfo:
                 for alias in info.before_set:
                     if alias in arg_sets:
                         target = arg_sets[alias]
+                if target is None and not info.before_set:
+                    # Tensor(a)[] (split, chunk, unbind): Python shows the
+                    # list's alias info but not its elements' set; what they
+                    # alias is the argument declared (a -> *). Read as fresh
+                    # storages, their lineages replayed the split to rebuild
+                    # the storage it splits: endless recursion (unbind).
+                    wild = [(position, arg.name) for position, arg in enumerate(schema.arguments)
+                            if arg.alias_info is not None and "*" in arg.alias_info.after_set]
+                    target = wild[0] if len(wild) == 1 else None
             self.aliases.append(target)
         namespace = schema.name.split("::")[0]
         unreplayable_writes = [name for _, name in self.writes if name not in _SCRATCH_ARGUMENTS]
@@ -434,23 +448,30 @@ class Lineage:
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):
                 self._record_write(node, target)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        # One entry per return: a tuple for several returns, the list itself
+        # for one Tensor[] return. `index` numbers tensors as the replay's
+        # run() returns them (the tuple's or the list's positions).
+        outputs = out if type(out) is tuple else (out,)
         by_storage: Optional[Dict[int, StorageLineage]] = {} if info.undeclared_aliases else None
-        for index, output in enumerate(outputs):
-            alias = info.aliases[index] if index < len(info.aliases) else None
+        index = 0
+        for position, output in enumerate(outputs):
+            alias = info.aliases[position] if position < len(info.aliases) else None
             if alias is not None:
-                position, name = alias
-                source = args[position] if position < len(args) else kwargs.get(name)
+                source_position, name = alias
+                source = args[source_position] if source_position < len(args) else kwargs.get(name)
                 self._share_lineage(output, source)
-            elif isinstance(output, torch.Tensor):
-                if type(output) is torch.Tensor:
-                    lineage = StorageLineage(node, index, output)
-                    setattr(output, _ATTR, lineage)
+                index += len(output) if type(output) is list else 1
+                continue
+            for item in (output if type(output) is list and type(out) is not tuple else (output,)):
+                if type(item) is torch.Tensor and node is not None:
+                    lineage = StorageLineage(node, index, item)
+                    setattr(item, _ATTR, lineage)
                     if by_storage is not None:
-                        other = by_storage.setdefault(storage_address(output), lineage)
+                        other = by_storage.setdefault(storage_address(item), lineage)
                         if other is not lineage:
                             self.ambiguous.add(other)
                             self.ambiguous.add(lineage)
+                index += 1
 
     def _share_lineage(self, output, source) -> None:
         # A view (or in-place result) shares its source's storage lineage.
