@@ -5,8 +5,9 @@
 // no lineage: they could only be swapped, and the one a later recorded op
 // read was held by the recorder as an input (a parameter, the batch) for
 // the rest of the step, where swapping its saved copy freed nothing
-// (measured: a stack of six such Functions fitted swap-only at 4.32 MiB and
-// needed 4.88 MiB with both actions; recompute-only could not drop them).
+// (bench/bench_min_budget.py, a stack of six such Functions: swap-only fit
+// in 3.83 MiB, both actions needed 4.34 MiB and recompute-only 8.60 MiB of
+// an 8.75 MiB peak; now all three fit in 3.83 MiB).
 // Yet grad was on when the Function was called, and its forward is part of
 // the forward being recorded. THPFunction_apply opens a RecordFunction named
 // after the Function's class around the whole call, before grad mode is
