@@ -25,7 +25,6 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <optional>
-#include <stdexcept>
 #include <unordered_map>
 
 namespace membudget {

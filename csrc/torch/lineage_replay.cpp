@@ -46,15 +46,15 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   if (depth > kMaxReplayDepth || version > static_cast<int64_t>(lineage->mutations.size())) return result;
   bool ok = true;
   double seconds = 0.0;
+  // Note [Contents nobody recorded] (lineage_ops.cpp); Note [One history per storage] (lineage.py).
+  if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
+  if (lineage->ambiguous) return result;
   std::vector<std::shared_ptr<OpNode>> nodes{lineage->producer};
   for (int64_t i = 0; i < version; ++i) {
     std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
     if (writer == nullptr) return result;  // truncated (Note [Lineage ownership])
     nodes.push_back(std::move(writer));
   }
-  // Note [Contents nobody recorded] (lineage_ops.cpp); Note [One history per storage] (lineage.py).
-  if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
-  if (lineage->ambiguous) return result;
   for (const auto& node : nodes) {
     ok = ok && node->replayable;
     seconds += node->seconds;
@@ -239,10 +239,10 @@ class Replayer {
   static at::Tensor as_recorded(at::Tensor holder, const TensorRef& ref) {
     if (holder.scalar_type() == ref.dtype && holder.storage_offset() == ref.offset &&
         holder.sizes().equals(ref.sizes) && holder.strides().equals(ref.strides)) {
-      return with_bits(std::move(holder), ref);
+      return with_bits(std::move(holder), ref.conj, ref.neg);
     }
     if (holder.scalar_type() != ref.dtype) holder = as_dtype(std::move(holder), ref);
-    return with_bits(holder.as_strided(ref.sizes, ref.strides, ref.offset), ref);
+    return with_bits(holder.as_strided(ref.sizes, ref.strides, ref.offset), ref.conj, ref.neg);
   }
 
   // The holder's storage, from its start, as elements of ref.dtype: enough
@@ -251,8 +251,7 @@ class Replayer {
   // are taken as they are (replay.py's _as_dtype).
   static at::Tensor as_dtype(at::Tensor holder, const TensorRef& ref) {
     if (holder.dim() != 1 || holder.storage_offset() != 0 || holder.element_size() != 1) {
-      if (holder.is_conj()) holder = at::_conj(holder);
-      if (holder.is_neg()) holder = at::_neg_view(holder);
+      holder = with_bits(std::move(holder), false, false);
       int64_t extent = 1 + ref.offset;
       for (size_t d = 0; d < ref.sizes.size(); ++d) {
         if (ref.sizes[d] == 0) extent = 0;
@@ -270,11 +269,11 @@ class Replayer {
     return holder.view(ref.dtype);
   }
 
-  // The conjugate and negative bits as recorded (Note [Conjugate and
-  // negative views] in lineage.py); each flip is a view.
-  static at::Tensor with_bits(at::Tensor view, const TensorRef& ref) {
-    if (view.is_conj() != ref.conj) view = at::_conj(view);
-    if (view.is_neg() != ref.neg) view = at::_neg_view(view);
+  // The view with these conjugate and negative bits (as recorded: Note
+  // [Conjugate and negative views] in lineage.py); each flip is a view.
+  static at::Tensor with_bits(at::Tensor view, bool conj, bool neg) {
+    if (view.is_conj() != conj) view = at::_conj(view);
+    if (view.is_neg() != neg) view = at::_neg_view(view);
     return view;
   }
 

@@ -280,11 +280,16 @@ uint32_t current_version(const c10::VariableVersion& counter) {
       "saved-tensor hooks are set.)");
 }
 
-std::string describe(at::ScalarType dtype, c10::IntArrayRef sizes, c10::Device device) {
-  std::string text = "[" + std::string(device.is_cuda() ? "torch.cuda." : "torch.") +
-                     c10::toString(dtype) + "Tensor [";
-  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
-  return text + "]]";
+// Raises autograd's error, naming the tensor as autograd does, unless the
+// counter still reads the version it had when the tensor was packed.
+void check_unmodified(const c10::VariableVersion& counter, uint32_t saved, at::ScalarType dtype,
+                      c10::IntArrayRef sizes, c10::Device device) {
+  const uint32_t now = current_version(counter);
+  if (now == saved) return;
+  std::string what = "[" + std::string(device.is_cuda() ? "torch.cuda." : "torch.") + c10::toString(dtype) +
+                     "Tensor [";
+  for (size_t i = 0; i < sizes.size(); ++i) what += (i ? ", " : "") + std::to_string(sizes[i]);
+  throw_modified(what + "]]", saved, now);
 }
 
 }  // namespace
@@ -300,8 +305,7 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       saved_version_(current_version(version_counter_)) {}
 
 at::Tensor SavedActivation::unpack() const {
-  const uint32_t now = current_version(version_counter_);
-  if (now != saved_version_) throw_modified(describe(dtype_, sizes_, device_), saved_version_, now);
+  check_unmodified(version_counter_, saved_version_, dtype_, sizes_, device_);
   Runtime* runtime = Runtime::get();
   const bool on_cpu = runtime != nullptr && runtime->device_kind() == "cpu";
   if (on_cpu && runtime->manager().recompute_ahead_pending()) {
@@ -371,9 +375,8 @@ py::object unpack_saved_tensor(const py::object& packed) {
   if (py::isinstance<py::tuple>(packed)) {  // unmanaged: (tensor, version when packed)
     py::tuple pair = packed.cast<py::tuple>();
     const at::Tensor tensor = pair[0].cast<at::Tensor>();
-    const uint32_t saved = pair[1].cast<uint32_t>();
-    const uint32_t now = current_version(version_counter_of(tensor));
-    if (now != saved) throw_modified(describe(tensor.scalar_type(), tensor.sizes(), tensor.device()), saved, now);
+    check_unmodified(version_counter_of(tensor), pair[1].cast<uint32_t>(), tensor.scalar_type(), tensor.sizes(),
+                     tensor.device());
     return pair[0];
   }
   return packed;

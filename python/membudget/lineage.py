@@ -234,9 +234,8 @@ class _FuncInfo:
         self.undefined_contents = schema.name in _EMPTY_OPS
         # Several outputs and no alias declared for any: they may still share
         # one storage (unsafe_chunk; Note [One history per storage]).
-        self.undeclared_aliases = len(schema.returns) > 1 or (
-            len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor")
-        self.undeclared_aliases = self.undeclared_aliases and all(r.alias_info is None for r in schema.returns)
+        several = len(schema.returns) > 1 or (len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor")
+        self.undeclared_aliases = several and all(r.alias_info is None for r in schema.returns)
         # Profiler markers (torch.autograd.profiler.record_function, around
         # every optimizer step) compute nothing; recorded, the step's marker
         # began a forward between backward and the step (Note [Lineage
@@ -352,14 +351,17 @@ class Lineage:
         held = self.externals.get(id(tensor))
         if held is None or held.tensor is not tensor:
             held = self.externals[id(tensor)] = ExternalLineage(tensor)
-        if tensor.layout is not torch.strided:
+        try:
+            return _new_ref(held, 0, tensor, scratch)
+        except RuntimeError:
+            if tensor.layout is torch.strided:
+                raise
             # Note [Tensors without storage]: a sparse (or other non-strided)
             # tensor has no strides nor storage offset to rebuild a view
             # from; it is held and handed to the replay as it is (its geometry
             # fields are None). The op reading it is recorded as usual
             # (torch.sparse.mm(adjacency, x) replays with the held adjacency).
             return _tuple_new(TensorRef, (held, 0, tensor._version, tensor.size(), None, 0, tensor.dtype, scratch, 0))
-        return _new_ref(held, 0, tensor, scratch)
 
     def _template(self, value, refs: List[TensorRef], scratch: bool = False):
         if isinstance(value, _PLAIN_TENSOR):

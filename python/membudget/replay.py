@@ -62,9 +62,9 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
     seconds = 0.0
     deps: Set[int] = set()
     externals: Set[int] = set()
-    nodes = [lineage.producer] + lineage.mutations[:version]
     if version == 0 and _func_info(lineage.producer.func).undefined_contents:
         return False, 0.0, set(), frozenset()  # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
+    nodes = [lineage.producer] + lineage.mutations[:version]
     for node in nodes:
         ok = ok and node.replayable
         seconds += node.seconds
@@ -262,8 +262,7 @@ def _as_dtype(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     if holder.dim() != 1 or holder.storage_offset() != 0 or holder.element_size() != 1:
         holder = _with_bits(holder, 0)
         extent = 0 if 0 in ref.sizes else 1 + ref.offset + sum((n - 1) * st for n, st in zip(ref.sizes, ref.strides))
-        itemsize = torch.empty((), dtype=ref.dtype, device="meta").element_size()
-        count = -(-extent * itemsize // holder.element_size())
+        count = -(-extent * ref.dtype.itemsize // holder.element_size())
         try:
             holder = torch.as_strided(holder, (count,), (1,), 0).view(torch.uint8)
         except RuntimeError as error:
