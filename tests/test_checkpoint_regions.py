@@ -122,3 +122,41 @@ def test_only_default_non_reentrant_regions_on_the_install_thread_run_plain():
     finally:
         membudget.uninstall()
     assert _region_runs(use_reentrant=False) == 2
+
+
+class _NormedRegion(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Dropout(0.5))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _checkpointed_step(managed, **checkpoint_args):
+    if managed:
+        membudget.install(budget="1GiB", min_tensor_bytes=0)
+    try:
+        torch.manual_seed(0)
+        region = _NormedRegion()
+        x = torch.randn(32, 64, requires_grad=True)
+        torch_checkpoint.checkpoint(region, x, use_reentrant=False, **checkpoint_args).square().sum().backward()
+        state = {name: value.clone() for name, value in region.state_dict().items()}
+        state.update({name + ".grad": p.grad.clone() for name, p in region.named_parameters()})
+        state["rng"] = torch.get_rng_state()
+        return state
+    finally:
+        if managed:
+            membudget.uninstall()
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_regions_whose_rerun_differs_stay_torchs(preserve_rng_state):
+    # The region updates batch norm's running statistics (again when
+    # re-run: num_batches_tracked counts 2), and without preserve_rng_state
+    # its re-run draws other dropout masks: run once, both differed.
+    plain = _checkpointed_step(False, preserve_rng_state=preserve_rng_state)
+    managed = _checkpointed_step(True, preserve_rng_state=preserve_rng_state)
+    assert plain["inner.1.num_batches_tracked"].item() == 2
+    for name in plain:
+        assert torch.equal(plain[name], managed[name]), name

@@ -101,3 +101,23 @@ def test_recording_a_gru_keeps_no_step_memory_alive(lineage_recorder):
     # Nothing is managed (min_tensor_bytes), nothing evicted: the peaks can
     # differ only by what lineage keeps alive.
     assert peak("both") - peak("swap") < 64 * 1024
+
+
+def test_a_step_that_raised_leaves_nothing_allocated_after_uninstall():
+    """A step that raises after its forward (out of memory in backward, a bad
+    batch) never reaches the optimizer step that lets lineage go of what it
+    held. The recompute callback kept the Python recorder's lineage, and so
+    the model, alive after uninstall(): the next run in the process started
+    with its memory allocated."""
+    membudget.install(budget="256MiB", actions="recompute", min_tensor_bytes=0)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+        loss = model(torch.randn(64, 512)).square().mean()
+        assert membudget.memory_stats()["allocated_bytes.all.current"] > MiB
+        del model, loss  # as an exception unwinding the step would
+    finally:
+        membudget.uninstall()
+    gc.collect()
+    # Memory membudget handed out is still accounted after uninstall().
+    assert load_extension().memory_stats()["allocated_bytes.all.current"] == 0

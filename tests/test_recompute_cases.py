@@ -4,6 +4,7 @@ torch.utils.checkpoint inside the model, and inputs written in place after
 forward. Every saved activation is dropped between forward and backward
 (evict_all with actions=recompute), so backward must rebuild all of them;
 gradients are compared bit for bit with the same code run unmanaged."""
+import copy
 import time
 
 import pytest
@@ -512,6 +513,121 @@ def test_outputs_sharing_one_storage_are_never_rebuilt_from_one_history(actions)
     plain = _grads(_Gru, _backward)
     managed = _grads(_Gru, _backward, evict=True, actions=actions)
     _assert_same(plain, managed, min_recomputes=1 if actions == "recompute" else 0)
+
+
+def test_a_gru_drops_every_saved_tensor_but_its_gates_storage():
+    # Note [Parts of a storage] (lineage_recorder.cpp): the C++ recorder made
+    # every read of the input projection after its first unsafe_split
+    # unreplayable, and Note [Originals of in-place ops] / [Packed before
+    # recorded]: the clones autograd saves for mul_ and the results of tanh_
+    # were swap-only. Per step the GRU saves the gates' storage (swap-only,
+    # Note [One history per storage]) and four more tensors, all droppable.
+    managed = _grads(_Gru, _backward, evict=True, actions="recompute")
+    plain = _grads(_Gru, _backward)
+    _assert_same(plain, managed)
+    assert managed[2]["drop_count"] == 4 * 4 + 2  # four steps; plus the output layer's input and output
+
+
+class _SplitAndWritten(nn.Module):
+    # unsafe_chunk's outputs share their input's storage, each with a
+    # version counter of its own: a write through one of them does not bump
+    # the input's counter, nor a write through the input theirs.
+    def __init__(self, write_whole):
+        super().__init__()
+        self.lin = nn.Linear(64, 192)
+        self.write_whole = write_whole
+
+    def forward(self, x):
+        y = self.lin(x)
+        a, b, c = y.unsafe_chunk(3, 1)
+        first = torch.tanh(a) * b         # reads a and b as they were made
+        if self.write_whole:
+            y.mul_(3)                      # behind a's, b's and c's counters
+        else:
+            a.mul_(3)                      # behind y's counter
+        later = torch.sigmoid(y) * 2      # y after the write
+        return first.sum(1, keepdim=True) * c.exp() + later[:, :64] * torch.tanh(a) * torch.cos(c)
+
+
+@pytest.mark.parametrize("write_whole", [False, True], ids=["through_a_part", "through_the_whole"])
+@pytest.mark.parametrize("actions", ["recompute", "both"])
+def test_writes_behind_a_storages_parts_are_replayed_exactly(write_whole, actions):
+    build = lambda: _SplitAndWritten(write_whole)
+    plain = _grads(build, _backward)
+    managed = _grads(build, _backward, evict=True, actions=actions)
+    _assert_same(plain, managed, min_recomputes=1 if actions == "recompute" else 0)
+
+
+class _ShiftedTokens(nn.Module):
+    # MBart's shift_tokens_right: the last token is read from the tokens,
+    # which are then written twice, the second time from what was read.
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(101, 64)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x):
+        tokens = ((x * 8).long().clamp(-50, 50) + 50).clone()
+        last = tokens[:, -1:].clone().squeeze(1)
+        tokens[:, 1:] = tokens[:, :-1].clone()
+        tokens[:, 0] = last
+        return self.out(torch.tanh(self.emb(tokens)))
+
+
+def test_a_storage_being_rebuilt_is_read_at_the_version_each_read_saw():
+    # Note [Reads of a storage being rebuilt] (replay.py): rebuilding the
+    # tokens (saved by the embedding) replays the second write, whose source
+    # `last` is gone and was rebuilt from the tokens as the first write had
+    # left them.
+    _check(_ShiftedTokens)
+
+
+def _weight_written_through_data(model, x, evict):
+    loss = model(x).square().mean()
+    if evict:
+        _evict_everything()
+    model[0].weight.data.mul_(0.5)  # weight clipping, an EMA swap: invisible to autograd
+    loss.backward()
+    return loss
+
+
+def test_a_parameter_written_through_data_before_backward_rescues_what_read_it():
+    # Note [Held under another counter] (lineage_recorder.cpp): made after
+    # install(), the weight has torch.empty's lineage, which `.data` (a
+    # counter of its own, at 0) still matched; the write went down as a
+    # mutation, no rescue, and the dropped activations replayed with the
+    # halved weight.
+    build = lambda: nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Sigmoid())
+    _check(build, _weight_written_through_data, min_recomputes=0)
+
+
+def test_deep_copied_parameters_are_read_as_held_inputs():
+    # Note [Leaves are held] (lineage_recorder.cpp): Parameter.__deepcopy__
+    # clones `.data`, which read torch.empty's output at version 0: every
+    # read of the copies was unreplayable under the C++ recorder.
+    proto = lambda: nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Sigmoid())
+    copied = _check(lambda: copy.deepcopy(proto()))
+    assert copied["drop_count"] == _check(proto)["drop_count"]
+
+
+class _Distilled(nn.Module):
+    # A teacher's output made under inference_mode, read by the loss.
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.teacher = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            target = self.teacher(x)
+        return torch.tanh(self.student(x) - target)
+
+
+def test_inference_tensors_are_held_inputs(capfd):
+    # Inference tensors have no version counter: reading it raised in the
+    # Python recorder, and in the C++ callback once per op (printed).
+    _check(_Distilled)
+    assert "Exception in RecordFunction" not in capfd.readouterr().err
 
 
 class _GraphConv(nn.Module):

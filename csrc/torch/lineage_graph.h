@@ -33,6 +33,7 @@ struct OpInfo {
   bool random = false;                // tagged nondeterministic_seeded
   bool simple = false;                // one fresh Tensor out, no writes
   bool undefined_contents = false;    // an empty tensor (Note [Contents nobody recorded])
+  bool copies_input = false;          // aten::clone (Note [Originals of in-place ops])
   std::vector<bool> scratch;          // per argument: batch norm's running stats
   std::vector<size_t> writes;         // positions of written non-scratch arguments
   size_t num_arguments = 0;
@@ -98,10 +99,16 @@ struct StorageLineage {
   std::vector<std::weak_ptr<OpNode>> mutations;
   std::vector<int64_t> versions;                // after producer, after each write
   c10::weak_intrusive_ptr<c10::TensorImpl> base;
-  // Several outputs of one op share this storage without being views
-  // (unsafe_chunk): it has several histories and is never rebuilt (Note
-  // [One history per storage] in lineage.py).
-  bool ambiguous = false;
+  // Outputs made on this storage without being declared views (unsafe_chunk,
+  // unsafe_split), each with a history and version counter of its own: read
+  // by whatever reads within that output's bytes (Note [Parts of a storage]
+  // in lineage_recorder.cpp; held weakly: Note [Lineage ownership]).
+  std::vector<std::weak_ptr<StorageLineage>> parts;
+  int64_t begin_byte = 0;  // a part's bytes in the storage: [begin_byte, end_byte)
+  int64_t end_byte = 0;
+  // Bytes written behind this lineage's counter (through another part):
+  // reads overlapping them are held (Note [Parts of a storage]).
+  std::vector<std::pair<int64_t, int64_t>> dirty;
   int64_t generation = 0;
   uint64_t entry_id = 0;                        // 0: not managed
   // version -> closure, valid while memo_epoch equals the recorder's epoch

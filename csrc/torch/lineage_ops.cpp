@@ -104,6 +104,7 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
   info->random = op.hasTag(at::Tag::nondeterministic_seeded);
   info->replayable = aten && unreplayable_writes <= 1;
   info->undefined_contents = makes_empty_tensor(qualified);
+  info->copies_input = qualified == "aten::clone";
   info->simple = !any_write && schema.returns().size() == 1 && schema.returns()[0].alias_info() == nullptr &&
                  schema.returns()[0].type()->kind() == c10::TypeKind::TensorType;
   if (not_recorded().count(qualified) != 0) {

@@ -45,7 +45,10 @@
 // whose writer is gone is truncated: its later versions are not replayable
 // (closure says so; the manager is told again for live entries), and a
 // later read of the storage holds it instead (Note [Held scratch and
-// long-lived storages]).
+// long-lived storages]). Parts (Note [Parts of a storage]) point forward in
+// time the same way (an unsafe_split output is a part of the lineage its
+// producer read): a lineage holds its parts weakly, and the forward that
+// made them owns them (RecorderState::parts) for as long as its writers.
 //
 // Note [Recorder lock and the GIL]: the GIL is taken before the recorder's
 // lock, never after. Every binding (on_pack, rebuild, ops_recorded, ...) is
@@ -79,9 +82,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 #include <unordered_set>
+#include <utility>
 
 #include "torch/function_forwards.h"
 #include "torch/saved_activation.h"
@@ -172,18 +177,123 @@ void begin_forward(RecorderState& s, Deferred& deferred) {
       ++it;
       continue;
     }
+    s.swap_only_entries.erase(it->first);
     deferred.released.push_back(std::move(it->second));
     it = s.by_entry.erase(it);
   }
+  // Only a live entry's closure can read a held storage (Note [Held under another counter]).
+  if (s.by_entry.empty()) s.held_storages.clear();
   bool truncated = false;
   while (!s.writers.empty() && s.writers.front().first <= s.forward - kForwardsKept) {
     truncated = truncated || !s.writers.front().second.empty();
     for (std::shared_ptr<OpNode>& writer : s.writers.front().second) deferred.released.push_back(std::move(writer));
     s.writers.erase(s.writers.begin());
   }
+  while (!s.parts.empty() && s.parts.front().first <= s.forward - kForwardsKept) {
+    for (std::shared_ptr<StorageLineage>& part : s.parts.front().second) deferred.released.push_back(std::move(part));
+    s.parts.erase(s.parts.begin());
+  }
   if (truncated) {
     ++s.epoch;
     redeclare_entries(s);
+  }
+}
+
+}  // namespace
+
+// Note [Parts of a storage]: lineage is keyed by storage, but an op can
+// return tensors on a storage that already has a lineage without declaring
+// them views (unsafe_chunk, unsafe_split: a CPU GRU cell splits its input
+// projection and its gates so), each with a version counter of its own and
+// written in place through it (Note [One history per storage] in
+// lineage.py). Each such output is a part of the storage's lineage, with its
+// bytes: a read that lies within one part's bytes follows that part's
+// history (its producer's replay, then its own writes); any other read
+// follows the storage's. Taking the storage's lineage over instead, as the
+// recorder did, left no history for the rest of its bytes: every later read
+// of the GRU's input projection was unreplayable (recompute-only needed
+// 2.09x swap's budget where the Python recorder, whose lineage is per
+// tensor, needed 1.67x). The innermost part holding a read is its history
+// (a chunk of an _unsafe_view output lies in both). Versions still decide
+// which reads are replayable, but a write through a part does not bump the
+// storage's counter, nor one through the storage a part's: a write marks the
+// bytes it covers dirty in every other history they belong to (its own
+// part's siblings excepted: their elements are disjoint), and reads of dirty
+// bytes are held like any unseen write; earlier reads replay what they read
+// then (mark_written_behind). A packed storage with parts is rebuilt from
+// its own history while no write went behind it, else from the part that
+// covers all of it (an _unsafe_view output), else never: swap-only (one
+// entry, several histories: lineage.py's rule; declaring_lineage).
+std::pair<int64_t, int64_t> byte_range(const at::Tensor& t) {
+  int64_t extent = t.numel() == 0 ? 0 : 1;
+  for (int64_t d = 0; d < t.dim() && extent != 0; ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  const int64_t begin = t.storage_offset() * item;
+  return {begin, begin + extent * item};
+}
+
+// The innermost part of a lineage whose bytes hold all of t's, or null.
+std::shared_ptr<StorageLineage> part_holding(const StorageLineage& lineage, const at::Tensor& t) {
+  const auto [begin, end] = byte_range(t);
+  std::shared_ptr<StorageLineage> found;
+  bool tied = false;
+  for (const std::weak_ptr<StorageLineage>& weak : lineage.parts) {
+    std::shared_ptr<StorageLineage> part = weak.lock();
+    if (part == nullptr || part->begin_byte > begin || end > part->end_byte || begin >= part->end_byte) continue;
+    // The innermost: a chunk of an _unsafe_view output lies in both.
+    const int64_t size = part->end_byte - part->begin_byte;
+    const int64_t best = found == nullptr ? INT64_MAX : found->end_byte - found->begin_byte;
+    if (size < best) {
+      found = std::move(part);
+      tied = false;
+    } else if (size == best) {
+      tied = true;  // same bytes, two histories (a view inside two interleaved chunks)
+    }
+  }
+  return tied ? nullptr : found;
+}
+
+namespace {
+
+bool overlaps(const std::vector<std::pair<int64_t, int64_t>>& ranges, std::pair<int64_t, int64_t> range) {
+  for (const auto& [begin, end] : ranges) {
+    if (begin < range.second && range.first < end) return true;
+  }
+  return false;
+}
+
+// A write into a storage with parts, through a tensor covering `range`,
+// taken by `written`'s history (null: by none). Every other history on the
+// storage whose bytes it may have changed behind their counters -- the
+// storage's, and the parts overlapping the range, except the written part's
+// siblings, whose elements are disjoint from it -- gets the range marked
+// dirty and a write that replays as nothing: later reads of the dirty range
+// are held (make_ref), earlier reads are no longer current and replay what
+// they read. An entry such a history declared, or whose bytes its readers
+// read, keeps bytes no history has: swap-only from now (resident: the
+// storage is being written). (Note [Parts of a storage].)
+void mark_written_behind(RecorderState& s, StorageLineage& whole, const StorageLineage* written,
+                         std::pair<int64_t, int64_t> range, Deferred& deferred) {
+  static const auto behind = std::make_shared<OpNode>();  // info null: replays as nothing
+  auto mark = [&](StorageLineage& lineage) {
+    lineage.mutations.push_back(behind);
+    lineage.versions.push_back(lineage.versions.back());
+    lineage.dirty.push_back(range);
+    lineage.memo.clear();
+    if (lineage.entry_id != 0 && s.swap_only_entries.insert(lineage.entry_id).second) {
+      deferred.swap_only.push_back(lineage.entry_id);
+    }
+  };
+  if (&whole != written) mark(whole);
+  const OpNode* siblings = nullptr;
+  for (const std::weak_ptr<StorageLineage>& weak : whole.parts) {
+    std::shared_ptr<StorageLineage> part = weak.lock();
+    if (part != nullptr && part.get() == written) siblings = part->producer.get();
+  }
+  for (const std::weak_ptr<StorageLineage>& weak : whole.parts) {
+    std::shared_ptr<StorageLineage> part = weak.lock();
+    if (part == nullptr || part.get() == written || part->producer.get() == siblings) continue;
+    if (part->begin_byte < range.second && range.first < part->end_byte) mark(*part);
   }
 }
 
@@ -201,6 +311,8 @@ void begin_forward(RecorderState& s, Deferred& deferred) {
 // then on, its version checked at replay like any held input; and scratch
 // arguments are always held: a replay reads only a copy of their current
 // value, which no output depends on, so their history is never needed.
+}  // namespace
+
 bool history_released(const StorageLineage& lineage) {
   for (const std::weak_ptr<OpNode>& writer : lineage.mutations) {
     if (writer.expired()) return true;
@@ -208,9 +320,18 @@ bool history_released(const StorageLineage& lineage) {
   return false;
 }
 
+namespace {
+
+// A leaf that requires grad, or a view of one (weight.t()): Note [Leaves are held].
+bool is_parameter_like(const at::Tensor& tensor) {
+  if (!tensor.requires_grad()) return false;
+  if (tensor.is_leaf()) return true;
+  return tensor.is_view() && tensor._base().is_leaf();
+}
+
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   TensorRef ref;
-  ref.tensor_version = tensor.has_storage() ? static_cast<int64_t>(tensor._version()) : 0;
+  ref.tensor_version = tensor.has_storage() ? version_of(tensor) : 0;
   ref.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
   ref.strides.assign(tensor.strides().begin(), tensor.strides().end());
   ref.offset = tensor.storage_offset();
@@ -218,17 +339,24 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.scratch = scratch;
   ref.conj = tensor.is_conj();
   ref.neg = tensor.is_neg();
-  if (tensor.has_storage() && !scratch) {
+  // Note [Leaves are held]: a leaf that requires grad (a parameter) is read
+  // as a held input even when a recorded op made its storage: it is alive for
+  // the whole step anyway, and its history is the model's construction.
+  // Parameter.__deepcopy__ clones `.data` (nn.TransformerEncoder's layers are
+  // deep copies), which reads torch.empty's output at version 0 through a
+  // counter of its own, contents nobody recorded: every read of the copy was
+  // unreplayable, and a 3-layer encoder trained recompute-only ran out of
+  // memory at 60% of its peak where the Python recorder fitted.
+  if (tensor.has_storage() && !scratch && !is_parameter_like(tensor)) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
-    if (it != s.by_storage.end() && (it->second.lineage->ambiguous ||
-                                     (ref.tensor_version == it->second.lineage->versions.back() &&
-                                      !history_released(*it->second.lineage)))) {
-      // An ambiguous storage's outputs keep version counters of their own,
-      // so its reads rarely match its versions; held as inputs, they kept
-      // it alive for the whole step (a CPU GRU's input projection: 1.1 MiB
-      // of 13.6 at its peak). Referenced instead: its readers are
-      // unreplayable (Note [One history per storage] in lineage.py).
-      ref.lineage = it->second.lineage;
+    std::shared_ptr<StorageLineage> lineage = it == s.by_storage.end() ? nullptr : it->second.lineage;
+    if (lineage != nullptr && !lineage->parts.empty()) {  // Note [Parts of a storage]
+      std::shared_ptr<StorageLineage> part = part_holding(*lineage, tensor);
+      if (part != nullptr) lineage = std::move(part);
+      if (overlaps(lineage->dirty, byte_range(tensor))) lineage = nullptr;  // written behind its counter: held
+    }
+    if (lineage != nullptr && ref.tensor_version == lineage->versions.back() && !history_released(*lineage)) {
+      ref.lineage = std::move(lineage);
       ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
       return ref;
     }
@@ -242,6 +370,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
     held = std::make_shared<External>();
     held->tensor = tensor;
     held->key = storage_address(tensor);
+    s.held_storages.insert(held->key);
   }
   ref.external = held;
   return ref;
@@ -311,13 +440,28 @@ void capture_generator(const OpInfo& info, c10::ArrayRef<const c10::IValue> inpu
 
 void begin_op(const at::RecordFunction& fn, size_t slot);
 
+// Note [Originals of in-place ops]: autograd's kernel for an in-place op
+// whose backward needs the input as it was (mul_, div_, addcmul_ when the
+// other operand requires grad) saves a clone of it, taken inside the op's
+// call: the Python mode, below autograd, records that clone; this callback,
+// whose ops nested in a recorded op are not looked at, left the saved copy
+// without lineage, swap-only (half the saved tensors of a CPU GRU cell). So
+// the callback stays on for the children of an in-place op being recorded,
+// and a clone directly inside one is recorded like any op: it reads the
+// input at its version before the write. Everything else nested in it is
+// still not recorded; the in-place ops are few, so the callback's cost on
+// their children is small.
+bool copies_its_input(const Frame& frame) {
+  return frame.node != nullptr && !frame.info->writes.empty();
+}
+
 std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   // By index, not reference: what runs below (a rescue's replay, the
   // generator's state tensor) may call ops, whose frames can move this one.
   const size_t slot = t_frames.size();
   t_frames.emplace_back();
   begin_op(fn, slot);
-  if (t_frames[slot].blocks_children && t_handle) {
+  if (t_frames[slot].blocks_children && t_handle && !copies_its_input(t_frames[slot])) {
     // Last, after any replay a rescue ran: those ops are paused anyway.
     at::disableCallback(*t_handle);
     t_frames[slot].silenced = true;
@@ -326,13 +470,15 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
 }
 
 void begin_op(const at::RecordFunction& fn, size_t slot) {
-  if (t_blocking > 0 || t_paused || !t_recording ||
+  const bool in_copier = t_blocking == 1 && slot > 0 && copies_its_input(t_frames[slot - 1]);
+  if ((t_blocking > 0 && !in_copier) || t_paused || !t_recording ||
       c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
     // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
     // or code that hides its ops from dispatch modes (torch.tensor(data)).
     return;
   }
   const OpInfo* info = lookup_info(fn);
+  if (in_copier && (info == nullptr || !info->copies_input)) return;  // Note [Originals of in-place ops]
   if (info == nullptr) {
     if (starts_function_forward(fn)) {
       t_frames[slot].function_forward = true;
@@ -369,8 +515,28 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
       for (size_t position : info->writes) {
         if (position >= node->args.size() || node->args[position].kind != ArgSlot::kTensor) continue;
         const TensorRef& ref = node->refs[node->args[position].refs[0]];
+        const at::Tensor& target = inputs[position].toTensor();
+        if (target.has_storage()) {
+          auto found = s.by_storage.find(target.storage().unsafeGetStorageImpl());
+          if (found != s.by_storage.end() && !found->second.lineage->parts.empty()) {
+            mark_written_behind(s, *found->second.lineage, ref.lineage.get(), byte_range(target),
+                                deferred);  // Note [Parts of a storage]
+          }
+        }
         if (ref.lineage != nullptr) {
           t_frames[slot].writes.emplace_back(ref.lineage, inputs[position].toTensor());
+          // Note [Held under another counter]: a storage with a lineage may
+          // also have been read as a held input, through a tensor whose
+          // version counter it does not share. A parameter made after
+          // install() has torch.empty's lineage, which its initialisation
+          // (under no_grad) left behind, so reads of the parameter hold it;
+          // `p.data` is a new counter at 0 that still matches that lineage,
+          // and a write through it between forward and backward (weight
+          // clipping, an EMA swap) went down as a mutation of the lineage,
+          // with no rescue: dropped activations replayed with the new
+          // weight, silently. Rescued like any write to a held input.
+          const uintptr_t key = storage_address(target);
+          if (s.held_storages.count(key) != 0) deferred.rescues.push_back(key);
         } else {
           // A write to a tensor lineage did not produce: entries whose replay
           // reads it are made resident, before the write lands (below).
@@ -388,25 +554,24 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   t_frames[slot].start = Clock::now();
 }
 
-// Gives t's storage the lineage (node, index). `attached` lists the storages
-// this op's earlier outputs were given: one given twice has several
-// histories (Note [One history per storage] in lineage.py), each output
-// written in place through itself under its own version counter, which a
-// storage keyed lineage cannot tell apart; it is marked unreplayable.
-void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t,
-                   Deferred& deferred, c10::SmallVector<c10::StorageImpl*, 4>& attached) {
+// Gives t's storage the lineage (node, index); on a storage that has one (an
+// output aliasing an input or an earlier output without being declared a
+// view), t's lineage becomes one of its parts (Note [Parts of a storage]).
+void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_t index, const at::Tensor& t) {
   if (!t.defined() || !t.has_storage() || !is_plain(t)) return;
   c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  const bool again = std::find(attached.begin(), attached.end(), impl) != attached.end();
-  attached.push_back(impl);
-  c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
-  RecorderState::Recorded recorded{std::move(weak), std::make_shared<StorageLineage>(node, index, t, s.forward)};
-  auto [it, inserted] = s.by_storage.try_emplace(impl, std::move(recorded));
-  if (!inserted) {
-    deferred.released.push_back(std::move(it->second.lineage));
-    it->second = std::move(recorded);
+  auto lineage = std::make_shared<StorageLineage>(node, index, t, s.forward);
+  auto it = s.by_storage.find(impl);
+  if (it == s.by_storage.end()) {
+    c10::weak_intrusive_ptr<c10::StorageImpl> weak(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
+    s.by_storage.emplace(impl, RecorderState::Recorded{std::move(weak), std::move(lineage)});
+    return;
   }
-  it->second.lineage->ambiguous = again;
+  StorageLineage& whole = *it->second.lineage;
+  std::tie(lineage->begin_byte, lineage->end_byte) = byte_range(t);
+  whole.parts.push_back(lineage);
+  if (s.parts.empty() || s.parts.back().first != s.forward) s.parts.push_back({s.forward, {}});
+  s.parts.back().second.push_back(std::move(lineage));  // Note [Lineage ownership]
 }
 
 void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred);
@@ -448,17 +613,16 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
   }
   const c10::FunctionSchema& schema = info.op.schema();
   const std::vector<c10::IValue>& outputs = fn.outputs();
-  c10::SmallVector<c10::StorageImpl*, 4> attached;
   int64_t index = 0;
   for (size_t r = 0; r < outputs.size(); ++r) {
     const bool aliased = r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr;
     const c10::IValue& value = outputs[r];
     if (value.isTensor()) {
-      if (!aliased) attach_output(s, frame.node, index, value.toTensor(), deferred, attached);
+      if (!aliased) attach_output(s, frame.node, index, value.toTensor());
       ++index;
     } else if (value.isTensorList()) {
       for (const at::Tensor& t : value.toTensorList().vec()) {
-        if (!aliased) attach_output(s, frame.node, index, t, deferred, attached);
+        if (!aliased) attach_output(s, frame.node, index, t);
         ++index;
       }
     } else {
@@ -471,23 +635,26 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
 // Note [Packed before recorded]: autograd saves an op's outputs (softmax's,
 // mkldnn_rnn_layer's) inside the op's call, so the pack hook sees them before
 // the RecordFunction end callback has given them a lineage (the Python mode
-// gives it below autograd, before they are saved). Such a pack is held by the
-// op's frame and declared when the op ends.
+// gives it below autograd, before they are saved); and an in-place op's
+// result (relu_'s, tanh_'s) after the write has bumped its version but
+// before the end callback has recorded the write: declared then, its version
+// matched no history and it was swap-only (the saved gates of a CPU GRU
+// cell, and every ReLU(inplace=True) output). A pack made while an op is
+// being recorded is therefore held by the op's frame and declared when the
+// op ends, after its writes and outputs are recorded.
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
+  for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+    if (frame->node != nullptr) {
+      frame->packed.emplace_back(entry_id, tensor);
+      return;
+    }
+  }
   RecorderState& s = state();
   Deferred deferred;
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) {
-      for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
-        if (frame->node != nullptr) {
-          frame->packed.emplace_back(entry_id, tensor);
-          return;
-        }
-      }
-      return;
-    }
+    if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) == 0) return;
     declare_packed(s, entry_id, tensor, deferred);
   }
   deferred.run(s);
@@ -523,15 +690,22 @@ void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& relea
       ++it;
       continue;
     }
+    s.swap_only_entries.erase(it->first);
     released.push_back(std::move(it->second));
     it = s.by_entry.erase(it);
   }
+  if (s.by_entry.empty()) s.held_storages.clear();
   if (s.by_entry.empty()) {
     for (auto& [forward, writers] : s.writers) {
       for (std::shared_ptr<OpNode>& writer : writers) released.push_back(std::move(writer));
     }
     s.writers.clear();
   }
+  // Only recording reads parts through their storage; replays hold theirs.
+  for (auto& [forward, parts] : s.parts) {
+    for (std::shared_ptr<StorageLineage>& part : parts) released.push_back(std::move(part));
+  }
+  s.parts.clear();
   s.in_backward = true;
 }
 
@@ -587,6 +761,17 @@ void bind_lineage(pybind11::module_& m) {
       at::disableCallback(*t_handle);
     }
   }, "Turn this thread's callback off (backward, optimizer steps) or back on; what is recorded is unchanged.");
+  sub.def("held_inputs", [] {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    py::list out;
+    for (const auto& [impl, held] : s.externals) {
+      if (held->tensor.defined() && held->tensor.has_storage()) {
+        out.append(py::make_tuple(held->tensor.sizes().vec(), held->tensor.storage().nbytes()));
+      }
+    }
+    return out;
+  }, "(sizes, storage bytes) of each input this forward holds (tests and debugging).");
   sub.def("ops_recorded", [] {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

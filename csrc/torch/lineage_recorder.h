@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "torch/lineage_graph.h"
@@ -54,6 +56,13 @@ struct RecorderState {
   std::unordered_map<uint64_t, std::shared_ptr<StorageLineage>> by_entry;
   // Nodes that wrote into a storage, per forward (Note [Lineage ownership]).
   std::vector<std::pair<int64_t, std::vector<std::shared_ptr<OpNode>>>> writers;
+  // Addresses of storages read as held inputs while entries live (Note [Held
+  // under another counter]).
+  std::unordered_set<uintptr_t> held_storages;
+  // Entries no history may rebuild (Note [Parts of a storage]).
+  std::unordered_set<uint64_t> swap_only_entries;
+  // Parts of storages' lineages, per forward (Note [Lineage ownership]).
+  std::vector<std::pair<int64_t, std::vector<std::shared_ptr<StorageLineage>>>> parts;
   // plan(entry_id, producer index, producer name, output index): a static
   // plan's pack-time drop (Python; called with the GIL), or null.
   std::unique_ptr<pybind11::object> plan;
@@ -80,9 +89,10 @@ struct PlanQuery {
 // Declare it before the lock guard; call run() after the guard's scope.
 struct Deferred {
   std::vector<uintptr_t> rescues;        // external storages about to be written
+  std::vector<uint64_t> swap_only;       // entries to make resident and swap-only (listed in swap_only_entries)
   std::vector<PlanQuery> plan_queries;
   std::vector<std::shared_ptr<void>> released;
-  // Runs the rescues and plan queries and lets go of what was released. The
+  // Runs the rescues, swap-only entries and plan queries and lets go of what was released. The
   // calling thread must not hold the recorder's lock.
   void run(RecorderState& s);
 };
@@ -91,6 +101,21 @@ struct Deferred {
 // (lineage_ops.cpp), or null when it is not an operator call. Recording
 // thread only.
 const OpInfo* lookup_info(const at::RecordFunction& fn);
+
+// A tensor's version counter; 0 for inference tensors, which have none and
+// cannot be written outside inference mode (a teacher's outputs made under
+// torch.inference_mode and read by the loss: reading the counter threw from
+// the callback, once per op, printed with a C++ backtrace).
+inline int64_t version_of(const at::Tensor& tensor) {
+  return tensor.is_inference() ? 0 : static_cast<int64_t>(tensor._version());
+}
+// Whether a writer in lineage's history was released.
+bool history_released(const StorageLineage& lineage);
+// The bytes t covers in its storage, [begin, end).
+std::pair<int64_t, int64_t> byte_range(const at::Tensor& t);
+// The innermost part of a lineage whose bytes hold all of t's, or null
+// (Note [Parts of a storage] in lineage_recorder.cpp).
+std::shared_ptr<StorageLineage> part_holding(const StorageLineage& lineage, const at::Tensor& t);
 
 // Closure of rebuilding `lineage` at `version` (lineage_replay.cpp).
 std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
@@ -103,6 +128,8 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
 // resident and swap-only (replay.py's rescue_dependents_of). Takes the lock,
 // then the GIL once the lock is released: call it without the lock.
 void rescue_dependents_of(RecorderState& s, uintptr_t key);
+// Makes each entry resident, then swap-only. Call it without the lock.
+void make_swap_only(const std::vector<uint64_t>& entry_ids);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);
 // Pauses recording on this thread while alive (replays).

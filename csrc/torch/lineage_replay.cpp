@@ -46,9 +46,8 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   if (depth > kMaxReplayDepth || version > static_cast<int64_t>(lineage->mutations.size())) return result;
   bool ok = true;
   double seconds = 0.0;
-  // Note [Contents nobody recorded] (lineage_ops.cpp); Note [One history per storage] (lineage.py).
+  // Note [Contents nobody recorded] (lineage_ops.cpp).
   if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
-  if (lineage->ambiguous) return result;
   std::vector<std::shared_ptr<OpNode>> nodes{lineage->producer};
   for (int64_t i = 0; i < version; ++i) {
     std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
@@ -63,7 +62,7 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
       if (ref.external != nullptr) {
         if (ref.scratch) continue;
         result->externals.push_back(ref.external->key);
-        ok = ok && ref.external->tensor._version() == static_cast<uint32_t>(ref.tensor_version);
+        ok = ok && version_of(ref.external->tensor) == ref.tensor_version;
         continue;
       }
       const StorageLineage& source = *ref.lineage;
@@ -119,10 +118,13 @@ class Replayer {
     at::Tensor base = outputs[lineage->index];
     StorageLineage* key = lineage.get();
     auto previous = overrides_.find(key);
-    std::optional<at::Tensor> saved;
+    std::optional<Rebuilding> saved;
     if (previous != overrides_.end()) saved = previous->second;
-    overrides_[key] = base;
-    for (const std::shared_ptr<OpNode>& writer : writers) run(*writer);
+    overrides_[key] = Rebuilding{base, 0};
+    for (const std::shared_ptr<OpNode>& writer : writers) {
+      if (writer->info != nullptr) run(*writer);  // null: a write behind the counter (Note [Parts of a storage])
+      ++overrides_[key].version;  // the map may have rehashed while the writer ran
+    }
     if (saved) {
       overrides_[key] = *saved;
     } else {
@@ -203,16 +205,20 @@ class Replayer {
   at::Tensor storage_holder(const TensorRef& ref) {
     if (ref.external != nullptr) {
       const at::Tensor& held = ref.external->tensor;
-      if (!ref.scratch && held._version() != static_cast<uint32_t>(ref.tensor_version)) {
+      if (!ref.scratch && version_of(held) != ref.tensor_version) {
         throw ReplayError("membudget: an input of a dropped activation was modified in place after forward (version " +
-                          std::to_string(ref.tensor_version) + " -> " + std::to_string(held._version()) +
+                          std::to_string(ref.tensor_version) + " -> " + std::to_string(version_of(held)) +
                           "); it cannot be recomputed");
       }
       return held;
     }
     const std::shared_ptr<StorageLineage>& source = ref.lineage;
     auto override_it = overrides_.find(source.get());
-    if (override_it != overrides_.end()) return override_it->second;
+    // Note [Reads of a storage being rebuilt] in replay.py: only at the
+    // version its writes have reached; another version is rebuilt apart.
+    if (override_it != overrides_.end() && override_it->second.version == ref.version) {
+      return override_it->second.tensor;
+    }
     bool current = false;
     uint64_t entry_id = 0;
     int64_t last_version = 0;
@@ -284,7 +290,11 @@ class Replayer {
 
   RecorderState& s_;
   std::optional<c10::Stream> record_on_;
-  std::unordered_map<const StorageLineage*, at::Tensor> overrides_;  // storages being rebuilt
+  struct Rebuilding {
+    at::Tensor tensor;
+    int64_t version = 0;  // writes applied so far
+  };
+  std::unordered_map<const StorageLineage*, Rebuilding> overrides_;  // storages being rebuilt
 };
 
 at::Tensor rebuild_entry(uint64_t entry_id, std::optional<std::tuple<int64_t, int64_t, int64_t>> stream) {
@@ -338,13 +348,54 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
   return result;
 }
 
+// Which history rebuilds a storage with parts, packed as entry_id through
+// tensor (Note [Parts of a storage] in lineage_recorder.cpp): the storage's,
+// while no write through a part has ended it; else the part tensor lies in,
+// if that part covers every byte of the storage (_unsafe_view's output). No
+// single history, or two packs through different ones: swap-only (Note [One
+// history per storage] in lineage.py), and null. The part packed, current,
+// is read from the entry by its readers' replays.
+std::shared_ptr<StorageLineage> declaring_lineage(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor,
+                                                  const RecorderState::Recorded& recorded) {
+  const std::shared_ptr<StorageLineage>& whole = recorded.lineage;
+  std::shared_ptr<StorageLineage> part = part_holding(*whole, tensor);
+  const int64_t version = static_cast<int64_t>(tensor._version());
+  const bool part_current = part != nullptr && version == part->versions.back() && !history_released(*part) &&
+                            part->dirty.empty();
+  if (part_current && part->entry_id == 0) part->entry_id = entry_id;
+  std::shared_ptr<StorageLineage> declaring;
+  if (!history_released(*whole) && whole->dirty.empty() &&
+      (part != nullptr ? part_current : version == whole->versions.back())) {
+    declaring = whole;
+  } else if (part_current && part->begin_byte == 0 &&
+             part->end_byte >= static_cast<int64_t>(tensor.storage().nbytes())) {
+    declaring = part;
+  }
+  auto known = s.by_entry.find(entry_id);
+  if (known != s.by_entry.end()) {
+    if (known->second != declaring && s.swap_only_entries.insert(entry_id).second) {
+      set_entry_recompute_info(entry_id, false, 0.0, {});  // being packed: resident
+    }
+    return nullptr;
+  }
+  if (declaring == nullptr || declaring->entry_id != 0) {
+    s.by_entry[entry_id] = whole;
+    s.swap_only_entries.insert(entry_id);
+    set_entry_recompute_info(entry_id, false, 0.0, {});
+    return nullptr;
+  }
+  return declaring;
+}
+
 void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred) {
   auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
   if (it == s.by_storage.end()) return;
   std::shared_ptr<StorageLineage> lineage = it->second.lineage;
-  if (lineage->entry_id != 0) return;
-  if (static_cast<int64_t>(tensor._version()) != lineage->versions.back()) {
-    return;  // written by something lineage did not see
+  if (!lineage->parts.empty()) {
+    lineage = declaring_lineage(s, entry_id, tensor, it->second);
+    if (lineage == nullptr) return;
+  } else if (lineage->entry_id != 0 || static_cast<int64_t>(tensor._version()) != lineage->versions.back()) {
+    return;  // declared already, or written by something lineage did not see
   }
   std::shared_ptr<const Closure> result =
       closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
@@ -371,9 +422,13 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
       }
     }
   }
-  if (rescued.empty()) return;
+  make_swap_only(rescued);
+}
+
+void make_swap_only(const std::vector<uint64_t>& entry_ids) {  // listed in swap_only_entries by the caller
+  if (entry_ids.empty()) return;
   py::gil_scoped_acquire gil;  // entry_storage may call the Python recompute callback
-  for (uint64_t entry_id : rescued) {
+  for (uint64_t entry_id : entry_ids) {
     entry_storage(entry_id);
     set_entry_recompute_info(entry_id, false, 0.0, {});
   }
@@ -382,6 +437,8 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
 void Deferred::run(RecorderState& s) {
   for (uintptr_t key : rescues) rescue_dependents_of(s, key);
   rescues.clear();
+  make_swap_only(swap_only);
+  swap_only.clear();
   if (!plan_queries.empty()) {
     py::gil_scoped_acquire gil;
     py::object plan;
@@ -401,6 +458,7 @@ void Deferred::run(RecorderState& s) {
 
 void redeclare_entries(RecorderState& s) {
   for (const auto& [entry_id, lineage] : s.by_entry) {
+    if (s.swap_only_entries.count(entry_id) != 0) continue;  // Note [Parts of a storage]
     std::shared_ptr<const Closure> result =
         closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
     set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);

@@ -23,7 +23,16 @@ against the plain checkpointed run).
 
 Only regions with the default ``context_fn`` are replaced: a custom one
 (selective activation checkpointing) chooses what to keep, which is the
-user's plan, not ours. Reentrant checkpoints (``use_reentrant=True``) are left
+user's plan, not ours. Regions whose second run differs from their first
+are left as torch's too, since replacing them would change results: with
+``preserve_rng_state=False`` the re-run draws new random numbers (other
+dropout masks in backward, and the global generator advanced twice), and a
+region that updates batch-norm running statistics updates them again when
+re-run (``num_batches_tracked`` counts 2 a step). The second is detected on
+what can be seen: a module (or a module's bound method) as the region, with a
+batch-norm-like module in training mode inside; other side effects of a
+region written as a closure are not visible here, and happen once
+(``MEMBUDGET_CHECKPOINT=keep`` keeps every region as torch's). Reentrant checkpoints (``use_reentrant=True``) are left
 as they are: they save their inputs through membudget's hooks and re-run the
 region inside backward, where what they save is packed by membudget too; and
 running one as plain code would change which gradients exist when no input
@@ -43,6 +52,7 @@ import threading
 from typing import Optional
 
 import torch.utils.checkpoint as _torch_checkpoint
+from torch import nn
 
 __all__ = ["replace_regions", "keep_regions"]
 
@@ -57,11 +67,22 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
     and with the default ``context_fn`` it sets nothing up (``checkpoint()``
     then simply calls ``function``); elsewhere it is torch's."""
     original = _original
-    if original is None or threading.get_ident() != _thread or context_fn is not _torch_checkpoint.noop_context_fn:
+    if (original is None or threading.get_ident() != _thread or context_fn is not _torch_checkpoint.noop_context_fn
+            or not preserve_rng_state or _updates_running_statistics(function)):
         original = original or getattr(_torch_checkpoint, _GENERATOR)
         yield from original(function, preserve_rng_state, context_fn, *args, **kwargs)
         return
     yield
+
+
+def _updates_running_statistics(function) -> bool:
+    """Whether ``function`` is a module (or a module's bound method) holding a
+    batch-norm-like module that updates running statistics when run."""
+    owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    if not isinstance(owner, nn.Module):
+        return False
+    return any(module.training and getattr(module, "track_running_stats", False)
+               and getattr(module, "running_mean", None) is not None for module in owner.modules())
 
 
 def replace_regions() -> bool:

@@ -437,6 +437,13 @@ def uninstall() -> None:
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
             _pop_hooks()
             _hooks_thread = None
+            if not native.live_entry_ids():
+                # Only a live entry can still need a replay. Kept, the callback
+                # held the Python recorder's lineage, and through it the model
+                # of a step that raised (out of memory) before its optimizer
+                # step let go of it: 2 MiB stayed allocated after uninstall(),
+                # and the next run in the process started with them.
+                native.set_recompute_callback(None)
         _checkpoint_regions.keep_regions()
         native.uninstall_runtime()
 

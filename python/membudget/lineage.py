@@ -180,6 +180,11 @@ class OpNode:
         return str(self.func)
 
 
+# Ends a lineage's history (Note [Writes behind a counter]): an unreplayable
+# write, at a version no tensor has.
+_ENDED = OpNode(None, (), _NO_KWARGS, [], -1, replayable=False)
+
+
 class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
@@ -291,8 +296,13 @@ class Lineage:
         self.externals: Dict[int, ExternalLineage] = {}
         self.by_entry: Dict[int, StorageLineage] = {}
         # Lineages of outputs that share a storage with another output of
-        # the same op (Note [One history per storage]).
+        # the same op or with an input, and those inputs' (Note [One history
+        # per storage]).
         self.ambiguous: "weakref.WeakSet[StorageLineage]" = weakref.WeakSet()
+        # Such an output's lineage -> the input's it shares a storage with,
+        # and back (Note [Writes behind a counter]).
+        self.whole_of: "weakref.WeakKeyDictionary[StorageLineage, StorageLineage]" = weakref.WeakKeyDictionary()
+        self.parts_of: "weakref.WeakKeyDictionary[StorageLineage, weakref.WeakSet]" = weakref.WeakKeyDictionary()
         self.in_backward = False
         self.ops_recorded = 0
 
@@ -354,6 +364,12 @@ class Lineage:
         try:
             return _new_ref(held, 0, tensor, scratch)
         except RuntimeError:
+            if tensor.is_inference():
+                # No version counter, and not writable outside inference mode
+                # (a teacher's outputs made under torch.inference_mode): read
+                # at version 0 (_version_of).
+                return _tuple_new(TensorRef, (held, 0, 0, tensor.size(), tensor.stride(), tensor.storage_offset(),
+                                              tensor.dtype, scratch, tensor.is_conj() + 2 * tensor.is_neg()))
             if tensor.layout is torch.strided:
                 raise
             # Note [Tensors without storage]: a sparse (or other non-strided)
@@ -454,7 +470,14 @@ class Lineage:
         # for one Tensor[] return. `index` numbers tensors as the replay's
         # run() returns them (the tuple's or the list's positions).
         outputs = out if type(out) is tuple else (out,)
-        by_storage: Optional[Dict[int, StorageLineage]] = {} if info.undeclared_aliases else None
+        by_storage: Optional[Dict[int, StorageLineage]] = None
+        inputs_by_storage: Dict[int, StorageLineage] = {}
+        if info.undeclared_aliases:
+            by_storage = {}
+            for arg in args:
+                source = getattr(arg, _ATTR, None) if isinstance(arg, torch.Tensor) else None
+                if type(source) is StorageLineage:
+                    inputs_by_storage[storage_address(arg)] = source
         index = 0
         for position, output in enumerate(outputs):
             alias = info.aliases[position] if position < len(info.aliases) else None
@@ -469,9 +492,16 @@ class Lineage:
                     lineage = StorageLineage(node, index, item)
                     setattr(item, _ATTR, lineage)
                     if by_storage is not None:
-                        other = by_storage.setdefault(storage_address(item), lineage)
+                        address = storage_address(item)
+                        other = by_storage.setdefault(address, lineage)
                         if other is not lineage:
                             self.ambiguous.add(other)
+                            self.ambiguous.add(lineage)
+                        whole = inputs_by_storage.get(address)
+                        if whole is not None:  # Note [Writes behind a counter]
+                            self.whole_of[lineage] = whole
+                            self.parts_of.setdefault(whole, weakref.WeakSet()).add(lineage)
+                            self.ambiguous.add(whole)
                             self.ambiguous.add(lineage)
                 index += 1
 
@@ -492,10 +522,33 @@ class Lineage:
             # version once the op returns: the version after it is one more.
             lineage.versions.append(target._version + 1)
             lineage.memo.clear()
+            if self.whole_of:
+                # Note [Writes behind a counter]: unsafe_chunk's outputs share
+                # their input's storage, each with a version counter of its
+                # own. A write through one of them changes the input's bytes
+                # behind the input's counter, and a write through the input
+                # theirs: the input's history (or theirs) ends here, so later
+                # reads hold the tensor and earlier ones replay what they
+                # read. Without it, a read of the input after a write through
+                # a chunk replayed the input without the write: wrong
+                # gradients, silently (the C++ recorder's Note [Parts of a
+                # storage] is the same rule).
+                whole = self.whole_of.get(lineage)
+                if whole is not None:
+                    self._end_history(whole)
+                for part in list(self.parts_of.get(lineage, ())):
+                    self._end_history(part)
         # Otherwise a write to a tensor lineage did not produce: its
         # dependents were rescued before the op ran (Note [Rescue before the
         # write]), and replay.py refuses any later replay that reads it (it
         # checks the version of every external input).
+
+    def _end_history(self, lineage: StorageLineage) -> None:
+        lineage.mutations.append(_ENDED)
+        lineage.versions.append(-1)  # no tensor's version: read from now on as a held input
+        lineage.memo.clear()
+        if lineage.entry_id is not None:
+            self.rescued(lineage.entry_id)  # its bytes changed behind the version it was declared at
 
     def rescued(self, entry_id: int) -> None:
         """An entry whose replay would read a tensor about to be overwritten:

@@ -79,7 +79,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
                 if ref.scratch:
                     continue
                 externals.add(source.key)
-                ok = ok and source.tensor._version == ref.tensor_version
+                ok = ok and _version_of(source.tensor) == ref.tensor_version
                 continue
             if ref.version >= len(source.versions) or source.versions[ref.version] != ref.tensor_version:
                 ok = False  # read after a write lineage did not see
@@ -148,16 +148,18 @@ class _Replayer:
     def __init__(self, lineage: Lineage, stream=None):
         self.native = lineage.native
         self.stream = stream  # a CUDA side stream the replay runs on, or None
-        self.overrides: Dict[int, torch.Tensor] = {}  # id(StorageLineage) -> storage being rebuilt
+        # id(StorageLineage) -> [storage being rebuilt, writes applied so far]
+        self.overrides: Dict[int, list] = {}
 
     def rebuild(self, lineage: StorageLineage, version: int) -> torch.Tensor:
         base = self.run(lineage.producer)[lineage.index]
         key = id(lineage)
         previous = self.overrides.get(key)
-        self.overrides[key] = base
+        rebuilding = self.overrides[key] = [base, 0]
         try:
             for node in lineage.mutations[:version]:
                 self.run(node)
+                rebuilding[1] += 1
         finally:
             if previous is None:
                 del self.overrides[key]
@@ -203,14 +205,22 @@ class _Replayer:
             if source.tensor is None:
                 raise RecomputeError("membudget: an input of a dropped activation was released with the step that "
                                      "made it (Note [Lineage released between steps]); it cannot be recomputed")
-            if not ref.scratch and source.tensor._version != ref.tensor_version:
+            if not ref.scratch and _version_of(source.tensor) != ref.tensor_version:
                 raise RecomputeError(
                     "membudget: an input of a dropped activation was modified in place after forward "
-                    f"(version {ref.tensor_version} -> {source.tensor._version}); it cannot be recomputed")
+                    f"(version {ref.tensor_version} -> {_version_of(source.tensor)}); it cannot be recomputed")
             return source.tensor
         override = self.overrides.get(id(source))
-        if override is not None:
-            return override
+        if override is not None and override[1] == ref.version:
+            # Note [Reads of a storage being rebuilt]: the storage a replay is
+            # rebuilding, read at the version its writes have reached (the
+            # write being replayed reads its own target). A read at another
+            # version rebuilds that version apart: MBart's shift_tokens_right
+            # gathers from its tokens, then writes into them twice, the second
+            # time from the gather; replaying the second write rebuilt the
+            # dropped gather from the tokens as the first write had left
+            # them, and the decoder trained on wrong tokens, silently.
+            return override[0]
         if ref.version == len(source.mutations):
             if source.entry_id is not None:
                 resident = self.native.entry_storage(source.entry_id)
@@ -224,6 +234,12 @@ class _Replayer:
                     alive.record_stream(self.stream)
                 return alive
         return self.rebuild(source, ref.version)
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    """A held input's version counter; 0 for an inference tensor, which has
+    none (and cannot be written outside inference mode)."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
 def _view(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
