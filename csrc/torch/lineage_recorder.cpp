@@ -329,6 +329,19 @@ bool is_parameter_like(const at::Tensor& tensor) {
   return tensor.is_view() && tensor._base().is_leaf();
 }
 
+// An alias of tensor with its storage, geometry and version counter but no
+// autograd meta (graph, .grad), made without dispatching an op (this runs
+// inside the callback). Held as it was, a parameter read as a held input
+// (Note [Leaves are held]) stayed alive with its gradient through the
+// writers that read it, and a later test in the same process ran out of
+// memory; a non-leaf would keep its graph and the saved activations in it.
+at::Tensor without_graph(const at::Tensor& tensor) {
+  if (!tensor.requires_grad() || tensor.is_inference()) return tensor;
+  at::Tensor alias = tensor.variable_data();
+  alias.unsafeGetTensorImpl()->set_version_counter(tensor.unsafeGetTensorImpl()->version_counter());
+  return alias;
+}
+
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   TensorRef ref;
   ref.tensor_version = tensor.has_storage() ? version_of(tensor) : 0;
@@ -368,7 +381,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
   if (held == nullptr) {
     held = std::make_shared<External>();
-    held->tensor = tensor;
+    held->tensor = without_graph(tensor);
     held->key = storage_address(tensor);
     s.held_storages.insert(held->key);
   }
@@ -644,11 +657,9 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
 // op ends, after its writes and outputs are recorded.
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
-  for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
-    if (frame->node != nullptr) {
-      frame->packed.emplace_back(entry_id, tensor);
-      return;
-    }
+  if (!t_frames.empty() && t_frames.back().node != nullptr) {
+    t_frames.back().packed.emplace_back(entry_id, tensor);
+    return;
   }
   RecorderState& s = state();
   Deferred deferred;
