@@ -322,26 +322,6 @@ bool history_released(const StorageLineage& lineage) {
 
 namespace {
 
-// A leaf that requires grad, or a view of one (weight.t()): Note [Leaves are held].
-bool is_parameter_like(const at::Tensor& tensor) {
-  if (!tensor.requires_grad()) return false;
-  if (tensor.is_leaf()) return true;
-  return tensor.is_view() && tensor._base().is_leaf();
-}
-
-// An alias of tensor with its storage, geometry and version counter but no
-// autograd meta (graph, .grad), made without dispatching an op (this runs
-// inside the callback). Held as it was, a parameter read as a held input
-// (Note [Leaves are held]) stayed alive with its gradient through the
-// writers that read it, and a later test in the same process ran out of
-// memory; a non-leaf would keep its graph and the saved activations in it.
-at::Tensor without_graph(const at::Tensor& tensor) {
-  if (!tensor.requires_grad() || tensor.is_inference()) return tensor;
-  at::Tensor alias = tensor.variable_data();
-  alias.unsafeGetTensorImpl()->set_version_counter(tensor.unsafeGetTensorImpl()->version_counter());
-  return alias;
-}
-
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   TensorRef ref;
   ref.tensor_version = tensor.has_storage() ? version_of(tensor) : 0;
@@ -352,15 +332,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.scratch = scratch;
   ref.conj = tensor.is_conj();
   ref.neg = tensor.is_neg();
-  // Note [Leaves are held]: a leaf that requires grad (a parameter) is read
-  // as a held input even when a recorded op made its storage: it is alive for
-  // the whole step anyway, and its history is the model's construction.
-  // Parameter.__deepcopy__ clones `.data` (nn.TransformerEncoder's layers are
-  // deep copies), which reads torch.empty's output at version 0 through a
-  // counter of its own, contents nobody recorded: every read of the copy was
-  // unreplayable, and a 3-layer encoder trained recompute-only ran out of
-  // memory at 60% of its peak where the Python recorder fitted.
-  if (tensor.has_storage() && !scratch && !is_parameter_like(tensor)) {
+  if (tensor.has_storage() && !scratch) {
     auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
     std::shared_ptr<StorageLineage> lineage = it == s.by_storage.end() ? nullptr : it->second.lineage;
     if (lineage != nullptr && !lineage->parts.empty()) {  // Note [Parts of a storage]
@@ -381,7 +353,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
   if (held == nullptr) {
     held = std::make_shared<External>();
-    held->tensor = without_graph(tensor);
+    held->tensor = tensor;
     held->key = storage_address(tensor);
     s.held_storages.insert(held->key);
   }
@@ -657,9 +629,11 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
 // op ends, after its writes and outputs are recorded.
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
-  if (!t_frames.empty() && t_frames.back().node != nullptr) {
-    t_frames.back().packed.emplace_back(entry_id, tensor);
-    return;
+  for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+    if (frame->node != nullptr) {
+      frame->packed.emplace_back(entry_id, tensor);
+      return;
+    }
   }
   RecorderState& s = state();
   Deferred deferred;
