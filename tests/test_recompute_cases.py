@@ -76,6 +76,29 @@ def test_chain_of_dropped_tensors_rebuilds_recursively():
     assert stats["dropped_bytes"] == 0
 
 
+def test_a_chain_thousands_of_dropped_tensors_deep_rebuilds_without_recursion():
+    # Note [Dropped ancestors rebuilt in order]: rebuilt nested, each dropped
+    # hidden state inside the replay that read it, this raised RecursionError
+    # (Python recorder from about 80 steps, C++ recorder from about 500).
+    steps = 1200
+
+    def build():
+        return nn.RNNCell(16, 16)
+
+    def run(cell, x, evict):
+        h = torch.zeros(32, 16)
+        for _ in range(steps):
+            h = cell(x[:, :16], h)
+        loss = h.square().mean()
+        if evict:
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    stats = _check(build, run, min_recomputes=steps)
+    assert stats["dropped_bytes"] == 0
+
+
 class _TanhChain(nn.Module):
     """A chain of 24 tanh on 1 MiB: each saves its output, and the replay of
     each reads the one before."""
@@ -247,26 +270,86 @@ def test_every_policy_trains_exactly_under_a_budget(policy):
     assert managed[2]["reserved_bytes.all.peak"] <= budget
 
 
-def test_torch_compile_runs_beside_the_lineage_mode():
-    # Dynamo must neither trace into nor recompile lineage code; compiled
-    # graphs run their ops below the mode, so their saved tensors are swap-only.
+def _compiles_under_the_mode(recorder):
+    """Whether torch.compile compiles while this recorder records: the C++
+    one is no dispatch mode; the Python one only where torch lets a mode step
+    aside for compilation (ignore_compile_internals, torch 2.9 on)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return recorder == "cxx" or hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+def test_torch_compile_runs_beside_the_lineage_mode(lineage_recorder):
+    # Dynamo must neither trace into nor recompile lineage code, and must
+    # compile: under a dispatch mode it used to run the model eagerly.
     import torch._dynamo
 
     def run(model, x, evict):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager")
         loss = compiled(x).square().mean()
+        if evict:
+            _evict_everything()
         loss.backward()
         return loss
 
     build = lambda: nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     torch._dynamo.utils.counters.clear()  # reset() keeps them: this test runs once per recorder
     plain = _grads(build, run)
-    managed = _grads(build, run, actions="both")
+    managed = _grads(build, run, evict=True, actions="both")
     assert torch.equal(plain[0], managed[0])
     for name in plain[1]:
         assert torch.equal(plain[1][name], managed[1][name]), name
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 2
+    if _compiles_under_the_mode(lineage_recorder):
+        assert graphs == 2  # one compile per run, plain and managed
+    assert managed[2]["recompute_count"] + managed[2]["swap_out_count"] > 0
+
+
+class _CompiledWrites(nn.Module):
+    """Compiled code writing storages eager code reads: batch norm's running
+    mean (updated in its kernel), and a buffer written in place by a
+    compiled function (a write the recorders never see as an op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.bn = nn.BatchNorm1d(64)
+        self.register_buffer("buf", torch.rand(32, 64) + 0.5)
+
+    def forward(self, x):
+        return self.bn(self.a(x))
+
+
+def test_compiled_writes_are_seen_by_what_eager_code_replays(lineage_recorder):
+    import torch._dynamo
+
+    def scale_in_place(t):
+        t.mul_(1.5)
+        return t.cos()
+
+    def run(model, x, evict):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        scale = torch.compile(scale_in_place, backend="aot_eager")
+        tail = torch.compile(lambda t: (t.sin() * model.buf).exp(), backend="aot_eager")
+        for _ in range(3):
+            h = torch.tanh(compiled(x) * model.bn.running_mean)
+            written = scale(model.buf)
+            z = torch.tanh(h * model.buf + written)
+            loss = (torch.tanh(tail(z)) + z).square().mean()
+            if evict:
+                _evict_everything()
+            loss.backward()
+        return loss
+
+    torch._dynamo.utils.counters.clear()
+    plain = _grads(_CompiledWrites, run)
+    managed = _grads(_CompiledWrites, run, evict=True, actions="recompute")
+    _assert_same(plain, managed)
+    if _compiles_under_the_mode(lineage_recorder):
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 6  # 3 per run
 
 
 class _LongLived(nn.Module):

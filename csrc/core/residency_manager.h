@@ -169,6 +169,16 @@ class ResidencyManager final : public Evictor {
   // Ends a recompute begun by materialize(): on success the caller has
   // attached the new device copy; `seconds` is the replay's duration.
   void complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds);
+  // Note [Dropped ancestors rebuilt in order]: the entry a replay begun by
+  // materialize() rebuilds and its dropped ancestors (inputs that are
+  // dropped, their dropped inputs, ...), each once, every one after all of
+  // its inputs: the entry itself last. Each comes with the managed inputs
+  // its replay reads.
+  struct ReplayStep {
+    uint64_t id;
+    std::vector<uint64_t> inputs;
+  };
+  std::vector<ReplayStep> replay_order(const ResidencyEntry* entry) const;
 
   // Note [Recompute ahead]. The ids of the entries the prefetcher queued for
   // replay ahead of use since the last call (the queue is emptied); each is

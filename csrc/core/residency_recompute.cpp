@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <unordered_set>
+#include <utility>
 
 #include "core/residency_manager.h"
 #include "core/units.h"
@@ -198,6 +200,31 @@ void ResidencyManager::complete_recompute(ResidencyEntry* entry, bool succeeded,
     replay_overhead_s_ = (1.0 - kEmaWeight) * replay_overhead_s_ + kEmaWeight * sample;
     entry->replay_chain_ = 0;
   }
+}
+
+std::vector<ResidencyManager::ReplayStep> ResidencyManager::replay_order(const ResidencyEntry* entry) const {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  // Depth-first, post-order, with an explicit stack: the chains this is for
+  // are thousands of entries deep (Note [Dropped ancestors rebuilt in order]).
+  std::vector<ReplayStep> order;
+  std::unordered_set<uint64_t> seen{entry->id()};
+  std::vector<std::pair<const ResidencyEntry*, size_t>> stack{{entry, 0}};
+  while (!stack.empty()) {
+    const ResidencyEntry* node = stack.back().first;
+    const size_t next = stack.back().second;
+    if (next < node->inputs_.size()) {
+      ++stack.back().second;
+      const uint64_t id = node->inputs_[next];
+      const ResidencyEntry* input = find(id);
+      if (input != nullptr && input->state_ == Residency::dropped && seen.insert(id).second) {
+        stack.emplace_back(input, 0);
+      }
+      continue;
+    }
+    order.push_back({node->id(), node->inputs_});
+    stack.pop_back();
+  }
+  return order;
 }
 
 void ResidencyManager::begin_replay_estimate(ResidencyEntry* entry) {

@@ -350,7 +350,8 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
 
 // Which history rebuilds a storage with parts, packed as entry_id through
 // tensor (Note [Parts of a storage] in lineage_recorder.cpp): the storage's,
-// while no write through a part has ended it; else the part tensor lies in,
+// while its history is kept and no write through a part has left bytes of it
+// dirty (written behind its own counter); else the part tensor lies in,
 // if that part covers every byte of the storage (_unsafe_view's output). No
 // single history, or two packs through different ones: swap-only (Note [One
 // history per storage] in lineage.py), and null. The part packed, current,

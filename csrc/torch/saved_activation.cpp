@@ -129,6 +129,53 @@ at::Tensor tensor_on_storage(c10::Storage storage, int64_t offset, c10::IntArray
   return tensor;
 }
 
+c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& residency);
+
+// Note [Dropped ancestors rebuilt in order]: a replay reads its managed
+// inputs through materialize_storage, so a dropped input was rebuilt inside
+// the replay that read it, its own dropped input inside that one, and so on:
+// a Python and C++ stack several frames deep per entry of the chain. An
+// nn.RNNCell unrolled 100 steps with every activation dropped raised
+// RecursionError under the Python recorder (600 under the C++ one), where
+// plain PyTorch runs any length. So before the entry's own replay, its
+// dropped ancestors are rebuilt one after another, each after its inputs
+// (ResidencyManager::replay_order), and each replay finds its inputs
+// resident. A rebuilt ancestor is held (its storage referenced, so it cannot
+// be evicted) until the last replay of the order that reads it has run:
+// what the nested replays held, without their unfinished replays' own
+// temporaries. Like the nested ones, these replays run inside the entry's
+// (its replay is begun), so their reads are replay inputs, not unpacks, and
+// their time is counted once, in the entry's (Note [Nested replays are timed
+// once]). An ancestor the order missed (rebuilt some other way, or declared
+// after) is still rebuilt nested, as before. Returns the ancestors the
+// entry's own replay reads, held until it has run.
+std::unordered_map<uint64_t, c10::Storage> rebuild_dropped_ancestors(ResidencyManager& manager,
+                                                                     const ResidencyEntry* entry) {
+  std::unordered_map<uint64_t, c10::Storage> held;
+  std::vector<ResidencyManager::ReplayStep> order;
+  {
+    py::gil_scoped_release no_gil;
+    order = manager.replay_order(entry);
+  }
+  if (order.size() < 2) return held;
+  // Replays still to run that read each ancestor, the entry's own included.
+  std::unordered_map<uint64_t, size_t> readers;
+  for (const auto& step : order) {
+    for (uint64_t input : step.inputs) ++readers[input];
+  }
+  for (size_t i = 0; i + 1 < order.size(); ++i) {
+    const auto& step = order[i];
+    if (std::shared_ptr<StorageResidency> ancestor = find_residency(step.id)) {
+      held[step.id] = materialize_storage(ancestor);
+    }
+    for (uint64_t input : step.inputs) {
+      auto it = readers.find(input);
+      if (it != readers.end() && --it->second == 0) held.erase(input);
+    }
+  }
+  return held;
+}
+
 // Makes the entry resident and returns its storage: swapped in by the
 // manager, or replayed through the lineage's callback (Note [Recompute]).
 // Called with the GIL held; released while the manager may block.
@@ -157,7 +204,9 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   try {
     TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
                 "membudget: a dropped activation needs recomputation but no lineage is installed");
+    std::unordered_map<uint64_t, c10::Storage> inputs = rebuild_dropped_ancestors(manager, residency.get());
     py::object rebuilt = (*g_recompute_fn)(residency->id(), false);
+    inputs.clear();
     // Take the storage and let the C++ tensor go before the Python one: a
     // Python tensor released while C++ still holds its TensorImpl is
     // resurrected (PyObject preservation) and keeps the storage referenced,

@@ -668,6 +668,20 @@ class LineageMode(TorchDispatchMode):
         super().__init__()
         self.lineage = lineage
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Note [Compiled beside the mode]: Dynamo compiles nothing while a
+        dispatch mode is on the stack unless the mode says it ignores
+        compile internals (torch 2.9 on; older torch never asks). So under
+        this recorder a ``torch.compile``d model ran eagerly: other numbers
+        than the user's compiled run, at eager speed. Saying so, the mode is
+        off while Dynamo traces and on while the compiled code runs: the ops
+        it still dispatches (aot_eager's, inductor's extern kernels) are
+        recorded like eager ones, and what a generated kernel writes behind
+        the dispatcher has no recorded contents (swap-only), as under the
+        C++ recorder, which is no mode and never stopped compilation."""
+        return True
+
 
 def _lineage_dispatch(self, func, types, args=(), kwargs=None):
     info = _infos.get(id(func)) or _func_info(func)

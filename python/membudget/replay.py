@@ -9,8 +9,9 @@ calls :func:`rebuild_entry`, which replays the ops on detached inputs (no
 autograd graph) with the recorded generator state restored, so the rebuilt bytes equal the originals.
 
 Inputs of a replay come from, in order of preference: the managed entry of
-that storage (made resident by the manager: swapped in, or itself rebuilt —
-so dropped ancestors are rebuilt recursively), a tensor still alive that holds
+that storage (made resident by the manager: swapped in, or already rebuilt —
+the binding rebuilds dropped ancestors first, in order, Note [Dropped
+ancestors rebuilt in order]), a tensor still alive that holds
 that storage at the right version, a held external tensor (parameters, the
 batch; its version must be unchanged), or a replay of the input's own lineage
 into a temporary. Replays allocate through membudget under the same budget
