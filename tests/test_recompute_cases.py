@@ -99,6 +99,36 @@ def test_a_chain_thousands_of_dropped_tensors_deep_rebuilds_without_recursion():
     assert stats["dropped_bytes"] == 0
 
 
+class _GeneratorAndCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(64, 64), nn.ReLU(inplace=True), nn.Linear(64, 64), nn.Dropout(0.2),
+                               nn.Tanh())
+        self.d = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+@pytest.mark.parametrize("passes_between", [2, 3])
+def test_a_graph_kept_across_other_passes_replays_its_in_place_ops(passes_between):
+    # Note [Rescued before a sweep]: the generator's graph (an in-place ReLU
+    # and dropout's in-place mask in its lineage) outlives the critic's
+    # passes; the C++ recorder released its writers two forwards later and
+    # its dropped activations raised RecomputeError. Dropped before the
+    # critic's passes, they are rebuilt before the writers go.
+    def run(model, x, evict):
+        fake = model.g(x)
+        if evict:
+            _evict_everything()
+        for _ in range(passes_between):
+            model.d(fake.detach()).square().mean().backward()
+        loss = model.d(fake).mean()
+        if evict:
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    _check(_GeneratorAndCritic, run)
+
+
 class _TanhChain(nn.Module):
     """A chain of 24 tanh on 1 MiB: each saves its output, and the replay of
     each reads the one before."""

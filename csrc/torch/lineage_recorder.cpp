@@ -156,6 +156,23 @@ uintptr_t storage_address(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.storage().data());
 }
 
+// Note [Rescued before a sweep]: the sweep below releases the writers of
+// the forward two before this one. An entry still alive whose replay runs
+// one of them (a generator's graph kept while a discriminator takes two
+// steps, create_graph used twice) cannot be rebuilt afterwards. The sweep
+// moved the writers to Deferred::released and re-declared the live entries
+// while that still held them, so every closure still found its writers:
+// such entries stayed recomputable, were dropped, and their unpack raised
+// RecomputeError ("an in-place op in the lineage of a dropped activation was
+// released"); the Python recorder, whose lineage the garbage collector
+// keeps, replayed them. Now the writers being released wait in
+// RecorderState::releasing, which closures count as gone; an entry
+// replayable before the sweep and not after is rescued like one whose held
+// input is about to be written (made resident, by a replay through the
+// writers if dropped, then swap-only), and only then are the writers let go
+// (Deferred::run). Keeping the writers for as long as such entries lived was
+// tried and reverted in session 24: a held input with a graph of its own
+// then kept the entries, and so the writers, alive for good.
 void begin_forward(RecorderState& s, Deferred& deferred) {
   s.in_backward = false;
   s.op_index = 0;
@@ -184,9 +201,24 @@ void begin_forward(RecorderState& s, Deferred& deferred) {
   // Only a live entry's closure can read a held storage (Note [Held under another counter]).
   if (s.by_entry.empty()) s.held_storages.clear();
   bool truncated = false;
+  for (const auto& [generation, nodes] : s.writers) {
+    truncated = truncated || (generation <= s.forward - kForwardsKept && !nodes.empty());
+  }
+  // Note [Rescued before a sweep]: entries a replay can rebuild now.
+  std::vector<uint64_t> replayable;
+  if (truncated) {
+    for (const auto& [entry_id, lineage] : s.by_entry) {
+      if (s.swap_only_entries.count(entry_id) != 0) continue;
+      if (closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0)->ok) {
+        replayable.push_back(entry_id);
+      }
+    }
+  }
   while (!s.writers.empty() && s.writers.front().first <= s.forward - kForwardsKept) {
-    truncated = truncated || !s.writers.front().second.empty();
-    for (std::shared_ptr<OpNode>& writer : s.writers.front().second) deferred.released.push_back(std::move(writer));
+    for (std::shared_ptr<OpNode>& writer : s.writers.front().second) {
+      const OpNode* key = writer.get();
+      s.releasing.emplace(key, std::move(writer));
+    }
     s.writers.erase(s.writers.begin());
   }
   while (!s.parts.empty() && s.parts.front().first <= s.forward - kForwardsKept) {
@@ -195,7 +227,15 @@ void begin_forward(RecorderState& s, Deferred& deferred) {
   }
   if (truncated) {
     ++s.epoch;
+    for (uint64_t entry_id : replayable) {
+      const std::shared_ptr<StorageLineage>& lineage = s.by_entry.at(entry_id);
+      if (!closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0)->ok) {
+        s.swap_only_entries.insert(entry_id);
+        deferred.swap_only.push_back(entry_id);
+      }
+    }
     redeclare_entries(s);
+    deferred.sweep = true;
   }
 }
 
@@ -313,9 +353,15 @@ void mark_written_behind(RecorderState& s, StorageLineage& whole, const StorageL
 // value, which no output depends on, so their history is never needed.
 }  // namespace
 
-bool history_released(const StorageLineage& lineage) {
+std::shared_ptr<OpNode> kept_writer(const RecorderState& s, const std::weak_ptr<OpNode>& writer) {
+  std::shared_ptr<OpNode> node = writer.lock();
+  if (node != nullptr && !s.releasing.empty() && s.releasing.count(node.get()) != 0) return nullptr;
+  return node;
+}
+
+bool history_released(const RecorderState& s, const StorageLineage& lineage) {
   for (const std::weak_ptr<OpNode>& writer : lineage.mutations) {
-    if (writer.expired()) return true;
+    if (kept_writer(s, writer) == nullptr) return true;
   }
   return false;
 }
@@ -340,7 +386,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
       if (part != nullptr) lineage = std::move(part);
       if (overlaps(lineage->dirty, byte_range(tensor))) lineage = nullptr;  // written behind its counter: held
     }
-    if (lineage != nullptr && ref.tensor_version == lineage->versions.back() && !history_released(*lineage)) {
+    if (lineage != nullptr && ref.tensor_version == lineage->versions.back() && !history_released(s, *lineage)) {
       ref.lineage = std::move(lineage);
       ref.version = static_cast<int64_t>(ref.lineage->mutations.size());
       return ref;

@@ -56,6 +56,9 @@ struct RecorderState {
   std::unordered_map<uint64_t, std::shared_ptr<StorageLineage>> by_entry;
   // Nodes that wrote into a storage, per forward (Note [Lineage ownership]).
   std::vector<std::pair<int64_t, std::vector<std::shared_ptr<OpNode>>>> writers;
+  // Writers a sweep is releasing, kept until the entries that need them are
+  // rescued (Note [Rescued before a sweep]); closures count them as gone.
+  std::unordered_map<const OpNode*, std::shared_ptr<OpNode>> releasing;
   // Addresses of storages read as held inputs while entries live (Note [Held
   // under another counter]).
   std::unordered_set<uintptr_t> held_storages;
@@ -92,6 +95,7 @@ struct Deferred {
   std::vector<uint64_t> swap_only;       // entries to make resident and swap-only (listed in swap_only_entries)
   std::vector<PlanQuery> plan_queries;
   std::vector<std::shared_ptr<void>> released;
+  bool sweep = false;  // RecorderState::releasing is let go once the rescues ran
   // Runs the rescues, swap-only entries and plan queries and lets go of what was released. The
   // calling thread must not hold the recorder's lock.
   void run(RecorderState& s);
@@ -109,8 +113,11 @@ const OpInfo* lookup_info(const at::RecordFunction& fn);
 inline int64_t version_of(const at::Tensor& tensor) {
   return tensor.is_inference() ? 0 : static_cast<int64_t>(tensor._version());
 }
-// Whether a writer in lineage's history was released.
-bool history_released(const StorageLineage& lineage);
+// Whether a writer in lineage's history was released (or is being: Note
+// [Rescued before a sweep]).
+bool history_released(const RecorderState& s, const StorageLineage& lineage);
+// The writer, or null when it was released or is being released.
+std::shared_ptr<OpNode> kept_writer(const RecorderState& s, const std::weak_ptr<OpNode>& writer);
 // The bytes t covers in its storage, [begin, end).
 std::pair<int64_t, int64_t> byte_range(const at::Tensor& t);
 // The innermost part of a lineage whose bytes hold all of t's, or null

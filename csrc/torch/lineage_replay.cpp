@@ -50,7 +50,7 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
   std::vector<std::shared_ptr<OpNode>> nodes{lineage->producer};
   for (int64_t i = 0; i < version; ++i) {
-    std::shared_ptr<OpNode> writer = lineage->mutations[i].lock();
+    std::shared_ptr<OpNode> writer = kept_writer(s, lineage->mutations[i]);
     if (writer == nullptr) return result;  // truncated (Note [Lineage ownership])
     nodes.push_back(std::move(writer));
   }
@@ -361,11 +361,11 @@ std::shared_ptr<StorageLineage> declaring_lineage(RecorderState& s, uint64_t ent
   const std::shared_ptr<StorageLineage>& whole = recorded.lineage;
   std::shared_ptr<StorageLineage> part = part_holding(*whole, tensor);
   const int64_t version = static_cast<int64_t>(tensor._version());
-  const bool part_current = part != nullptr && version == part->versions.back() && !history_released(*part) &&
+  const bool part_current = part != nullptr && version == part->versions.back() && !history_released(s, *part) &&
                             part->dirty.empty();
   if (part_current && part->entry_id == 0) part->entry_id = entry_id;
   std::shared_ptr<StorageLineage> declaring;
-  if (!history_released(*whole) && whole->dirty.empty() &&
+  if (!history_released(s, *whole) && whole->dirty.empty() &&
       (part != nullptr ? part_current : version == whole->versions.back())) {
     declaring = whole;
   } else if (part_current && part->begin_byte == 0 &&
@@ -455,6 +455,15 @@ void Deferred::run(RecorderState& s) {
     plan_queries.clear();
   }
   released.clear();
+  if (sweep) {
+    // After the rescues, which replayed through these writers.
+    std::unordered_map<const OpNode*, std::shared_ptr<OpNode>> writers;
+    {
+      std::lock_guard<std::recursive_mutex> lock(s.mutex);
+      writers.swap(s.releasing);
+    }
+    sweep = false;
+  }  // released here, without the lock
 }
 
 void redeclare_entries(RecorderState& s) {
