@@ -1,5 +1,7 @@
 #include "torch/runtime.h"
 
+#include <ATen/SavedTensorHooks.h>
+
 #include <limits>
 #include <mutex>
 #include <stdexcept>
@@ -182,6 +184,20 @@ void Runtime::reconfigure(const RuntimeConfig& config) {
 
 namespace {
 thread_local bool t_speculative = false;  // Note [Speculative allocations]
+
+// Saved-tensor hooks are per thread, and install() pushes membudget's on its
+// own: a training step run on another thread (a threading.Thread, a
+// framework's worker) allocates through membudget but saves its activations
+// unmanaged, so at its out-of-memory error nothing was evictable and the
+// message read "evictable 0 B" with no word of why. A thread without any
+// saved-tensor hooks is said to be one. (The autograd engine's device
+// threads inherit the hooks of the backward they run.)
+std::string unmanaged_thread_note() {
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return "";
+  return " This allocation came from a thread without membudget's saved-tensor hooks: activations saved "
+         "on it are not managed (hooks are per thread); run the training step on the thread that called "
+         "install().";
+}
 }  // namespace
 
 SpeculativeAllocations::SpeculativeAllocations() : previous_(t_speculative) { t_speculative = true; }
@@ -199,7 +215,7 @@ void* allocate_device_for_torch(size_t bytes, Stream stream) {
   try {
     return runtime->device_allocator().allocate(bytes, stream);
   } catch (const OutOfMemory& oom) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, oom.what());
+    TORCH_CHECK_WITH(OutOfMemoryError, false, oom.what(), unmanaged_thread_note());
   }
 }
 
