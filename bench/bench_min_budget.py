@@ -12,14 +12,18 @@ plain one (bench/RESULTS.md, "Lead, session 23"):
 * ``gru``: a 2-layer ``nn.GRU`` (width 256, batch 32 x 64 tokens), whose CPU
   cells split their gates with ``unsafe_chunk`` (Note [One history per
   storage]);
-* ``mlp``: a plain stack of linear layers with dropout, for reference.
+* ``mlp``: a plain stack of linear layers with dropout, for reference;
+* ``rnncell``: an ``nn.RNNCell`` (width 256, batch 32) unrolled 128 steps: a
+  chain of 128 hidden states, each read by the replay of the next (Note
+  [Dropped ancestors rebuilt in order]; session 25).
 
 Each probe (model, recorder, action, budget) runs 3 seeded training steps in
 a fresh process and reports whether it fitted and whether its losses and
 parameters are bit-identical to plain PyTorch's; a bisection on the budget
-(to 64 KiB) finds the smallest that fits.
+(to 64 KiB) finds the smallest that fits. A run that raises (a replay that
+cannot be done) counts as not fitting, and the first such error is printed.
 
-    PYTHONPATH=python python bench/bench_min_budget.py [--models functions,gru,mlp]
+    PYTHONPATH=python python bench/bench_min_budget.py [--models functions,gru,mlp,rnncell]
         [--recorders cxx,python] [--actions swap,both,recompute]
 """
 from __future__ import annotations
@@ -78,6 +82,18 @@ def _models():
         def forward(self, x):
             return self.out(self.gru(self.embed(x))[0])
 
+    class RnnCell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.RNNCell(64, 256)
+            self.out = nn.Linear(256, 10)
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], 256)
+            for t in range(x.shape[1]):
+                h = self.cell(x[:, t], h)
+            return self.out(h)
+
     def mlp():
         layers = []
         for _ in range(6):
@@ -92,6 +108,7 @@ def _models():
         "functions": (Functions, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "gru": (Gru, lambda: (torch.randint(0, 500, (32, 64)),), lambda m, i: m(i[0]).square().mean()),
         "mlp": (mlp, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "rnncell": (RnnCell, lambda: (torch.randn(32, 128, 64), torch.randint(0, 10, (32,))), classify),
     }
 
 
@@ -118,6 +135,8 @@ def probe(model: str, action: str, budget: int) -> dict:
             losses.append(loss.item())
     except torch.OutOfMemoryError:
         return {"fits": False}
+    except (RuntimeError, RecursionError) as error:  # RecomputeError is a RuntimeError
+        return {"fits": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
     result = {"fits": True, "losses": losses, "digest": parameter_digest(net)}
     if budget != 0:
         result["peak"] = membudget.memory_stats()["reserved_bytes.all.peak"]
@@ -136,10 +155,13 @@ def _spawn(model: str, recorder: str, action: str, budget: int) -> dict:
 
 def smallest_budget(model: str, recorder: str, action: str, reference: dict, high: int) -> tuple:
     """(smallest fitting budget, whether that run was identical to plain)."""
-    low, best = 0, None
+    low, best, reported = 0, None, False
     while high - low > RESOLUTION:
         middle = (low + high) // 2
         run = _spawn(model, recorder, action, middle)
+        if "error" in run and not reported:
+            print(f"# {model} {recorder} {action} at {middle / 2**20:.2f} MiB: {run['error']}", flush=True)
+            reported = True
         if run["fits"]:
             high, best = middle, run
         else:
@@ -154,7 +176,7 @@ def smallest_budget(model: str, recorder: str, action: str, reference: dict, hig
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="functions,gru,mlp")
+    parser.add_argument("--models", default="functions,gru,mlp,rnncell")
     parser.add_argument("--recorders", default="cxx,python")
     parser.add_argument("--actions", default="swap,both,recompute")
     parser.add_argument("--probe", nargs=3, metavar=("MODEL", "ACTION", "BUDGET"), help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <optional>
+#include <string_view>
 #include <unordered_map>
 
 namespace membudget {
@@ -32,6 +33,7 @@ namespace lineage {
 namespace {
 
 thread_local int t_function_forwards = 0;
+thread_local int t_compiled_regions = 0;
 // The Python recorder's callback on this thread (track_function_forwards).
 thread_local std::optional<at::CallbackHandle> t_tracker;
 
@@ -50,16 +52,20 @@ bool names_an_operator(const at::RecordFunction& fn) {
 
 // Something non-null for the records that opened a forward: what the end
 // callback receives back, so no stack of its own is kept.
-struct OpenedForward final : at::ObserverContext {};
+struct OpenedForward final : at::ObserverContext {
+  explicit OpenedForward(bool compiled_region) : compiled(compiled_region) {}
+  bool compiled;
+};
 
 std::unique_ptr<at::ObserverContext> on_record_start(const at::RecordFunction& fn) {
   if (!starts_function_forward(fn)) return nullptr;
-  enter_function_forward();
-  return std::make_unique<OpenedForward>();
+  const bool compiled = is_compiled_region(fn);
+  enter_function_forward(compiled);
+  return std::make_unique<OpenedForward>(compiled);
 }
 
 void on_record_end(const at::RecordFunction&, at::ObserverContext* opened) {
-  if (opened != nullptr) leave_function_forward();
+  if (opened != nullptr) leave_function_forward(static_cast<OpenedForward*>(opened)->compiled);
 }
 
 }  // namespace
@@ -69,12 +75,43 @@ bool starts_function_forward(const at::RecordFunction& fn) {
          torch::autograd::get_current_graph_task_id() == -1 && !names_an_operator(fn);
 }
 
-void enter_function_forward() { ++t_function_forwards; }
-void leave_function_forward() {
-  if (t_function_forwards > 0) --t_function_forwards;
+// Note [Compiled regions are not recorded]: AOTAutograd runs a compiled
+// graph as the forward of a Function named CompiledFunction, so its ops were
+// recorded like a custom Function's. Under inductor few of them are
+// operators (extern matmuls, among them), and what they read are buffers
+// its kernels allocated and filled behind the dispatcher: inputs no
+// recorded op produced, held by the recorder for the rest of the step. The
+// held buffers kept the compiled blocks' saved activations from ever being
+// evicted: a regionally compiled GPT-2 with both actions ran out of memory
+// at 75% of its peak where swap-only fitted (session 25). Inside a compiled
+// region nothing is recorded now: what it saves is swap-only, as the
+// recorders' replays could not rebuild a kernel's output anyway; what it
+// writes in place loses its lineage (Note [Written where nothing records]).
+// Planned recomputation inside compiled graphs is the Echo planner's
+// compile_backend.
+bool is_compiled_region(const at::RecordFunction& fn) {
+  thread_local std::unordered_map<const void*, bool> cache;
+  const void* key = fn.name();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool compiled = std::string_view(fn.name()) == "CompiledFunction";
+  cache.emplace(key, compiled);
+  return compiled;
 }
-bool in_function_forward() { return t_function_forwards > 0; }
-void reset_function_forwards() { t_function_forwards = 0; }
+
+void enter_function_forward(bool compiled) {
+  ++t_function_forwards;
+  if (compiled) ++t_compiled_regions;
+}
+void leave_function_forward(bool compiled) {
+  if (t_function_forwards > 0) --t_function_forwards;
+  if (compiled && t_compiled_regions > 0) --t_compiled_regions;
+}
+bool in_function_forward() { return t_function_forwards > 0 && t_compiled_regions == 0; }
+void reset_function_forwards() {
+  t_function_forwards = 0;
+  t_compiled_regions = 0;
+}
 
 void bind_function_forwards(pybind11::module_& lineage_module) {
   lineage_module.def("track_function_forwards", [](bool on) {

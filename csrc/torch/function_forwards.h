@@ -12,10 +12,14 @@ namespace lineage {
 // custom Function's forward, called with grad mode on outside backward.
 // Recording thread only.
 bool starts_function_forward(const at::RecordFunction& fn);
+// Whether that Function is a torch.compile'd region (Note [Compiled regions
+// are not recorded]).
+bool is_compiled_region(const at::RecordFunction& fn);
 // The calling thread entered / left such a forward.
-void enter_function_forward();
-void leave_function_forward();
-// Whether the calling thread is inside one (grad mode is off there).
+void enter_function_forward(bool compiled);
+void leave_function_forward(bool compiled);
+// Whether the calling thread is inside one, and not inside a compiled
+// region (grad mode is off there).
 bool in_function_forward();
 // Resets this thread's count (a recorder starting or stopping).
 void reset_function_forwards();

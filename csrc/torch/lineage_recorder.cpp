@@ -108,6 +108,7 @@ struct Frame {
   bool blocks_children = false;
   bool silenced = false;  // this callback is off for the op's children (Note [Silenced children])
   bool function_forward = false;  // a custom Function's forward (Note [Custom Function forwards])
+  bool compiled_region = false;   // ... that runs a compiled graph (Note [Compiled regions are not recorded])
   std::shared_ptr<OpNode> node;  // set while recording this op
   const OpInfo* info = nullptr;
   Clock::time_point start;
@@ -500,6 +501,40 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
   return nullptr;
 }
 
+// Note [Written where nothing records]: an in-place write under no_grad is
+// not recorded; the written tensor's counter moves past its lineage, so
+// reads through that counter are held. But p.data is a new counter at 0 on
+// the same storage, which still matched the lineage: copy.deepcopy of a
+// parameter clones p.data, so the layers nn.TransformerEncoder copies from
+// its prototype were recorded as clones of torch.empty's output (their
+// initialisation, under no_grad, unseen): unreplayable, and every
+// activation reading them swap-only (a 3-layer encoder, recompute-only, ran
+// out of memory at 60% of its peak; the Python recorder, whose p.data is a
+// new object and so held, fitted). A storage written where nothing records
+// loses its lineage: whatever reads it from then on holds it, through any
+// counter. What already read it keeps the lineage it read. (Optimizer steps
+// run with this callback off: what they write keeps its lineage, and reads
+// through its own counter are held by the version check; a p.data read
+// after one matches a parameter's lineage at version 0, which replays
+// nothing: safe, but swap-only.)
+void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs) {
+  RecorderState& s = state();
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    for (size_t position : info.writes) {
+      if (position >= inputs.size() || !inputs[position].isTensor()) continue;
+      const at::Tensor& target = inputs[position].toTensor();
+      if (!target.defined() || !target.has_storage()) continue;
+      auto found = s.by_storage.find(target.storage().unsafeGetStorageImpl());
+      if (found == s.by_storage.end()) continue;
+      deferred.released.push_back(std::move(found->second.lineage));
+      s.by_storage.erase(found);
+    }
+  }
+  deferred.run(s);
+}
+
 void begin_op(const at::RecordFunction& fn, size_t slot) {
   const bool in_copier = t_blocking == 1 && slot > 0 && copies_its_input(t_frames[slot - 1]);
   if ((t_blocking > 0 && !in_copier) || t_paused || !t_recording ||
@@ -513,7 +548,8 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   if (info == nullptr) {
     if (starts_function_forward(fn)) {
       t_frames[slot].function_forward = true;
-      enter_function_forward();
+      t_frames[slot].compiled_region = is_compiled_region(fn);
+      enter_function_forward(t_frames[slot].compiled_region);
     }
     return;
   }
@@ -522,6 +558,9 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   ++t_blocking;
   if (info->kind == OpKind::kSkip || (!c10::GradMode::is_enabled() && !in_function_forward()) ||
       torch::autograd::get_current_graph_task_id() != -1) {
+    if (!info->writes.empty() && info->kind != OpKind::kSkip && torch::autograd::get_current_graph_task_id() == -1) {
+      forget_written_storages(*info, fn.inputs());  // Note [Written where nothing records]
+    }
     return;  // backward, no_grad and optimizer steps are not recorded
   }
   c10::ArrayRef<const c10::IValue> inputs = fn.inputs();
@@ -612,7 +651,7 @@ void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   Frame frame = std::move(t_frames.back());
   t_frames.pop_back();
   if (frame.blocks_children) --t_blocking;
-  if (frame.function_forward) leave_function_forward();
+  if (frame.function_forward) leave_function_forward(frame.compiled_region);
   if (frame.silenced && t_enabled && t_handle) at::reenableCallback(*t_handle);
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();

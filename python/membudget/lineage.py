@@ -675,11 +675,11 @@ class LineageMode(TorchDispatchMode):
         compile internals (torch 2.9 on; older torch never asks). So under
         this recorder a ``torch.compile``d model ran eagerly: other numbers
         than the user's compiled run, at eager speed. Saying so, the mode is
-        off while Dynamo traces and on while the compiled code runs: the ops
-        it still dispatches (aot_eager's, inductor's extern kernels) are
-        recorded like eager ones, and what a generated kernel writes behind
-        the dispatcher has no recorded contents (swap-only), as under the
-        C++ recorder, which is no mode and never stopped compilation."""
+        off while Dynamo traces and on while the compiled code runs; the ops
+        a compiled region still dispatches are not recorded (Note [Compiled
+        regions are not recorded] in csrc/torch/function_forwards.cpp), so
+        what it saves is swap-only, as under the C++ recorder, which is no
+        mode and never stopped compilation."""
         return True
 
 
