@@ -224,10 +224,16 @@ def test_graph_break_plans_each_graph_with_a_budget_share(counting):
     assert peak <= budget, f"measured {peak / MiB:.2f} MiB over budget {budget / MiB:.2f} MiB"
 
 
-def test_inductor_backend_matches_eager(counting, monkeypatch):
+def test_inductor_backend_matches_eager(counting):
     # A cache hit would skip partitioning (and so our record of the plan).
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    # torch's own patch, not monkeypatch: monkeypatch's undo left
+    # enable_autograd_cache deleted from functorch's config, and every later
+    # inductor compile in the process failed on it.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _inductor_backend_matches_eager()
+
+
+def _inductor_backend_matches_eager():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
                                 torch.nn.Linear(256, 1))

@@ -512,11 +512,7 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
 // out of memory at 60% of its peak; the Python recorder, whose p.data is a
 // new object and so held, fitted). A storage written where nothing records
 // loses its lineage: whatever reads it from then on holds it, through any
-// counter. What already read it keeps the lineage it read. (Optimizer steps
-// run with this callback off: what they write keeps its lineage, and reads
-// through its own counter are held by the version check; a p.data read
-// after one matches a parameter's lineage at version 0, which replays
-// nothing: safe, but swap-only.)
+// counter. What already read it keeps the lineage it read.
 void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs) {
   RecorderState& s = state();
   Deferred deferred;  // Note [Recorder lock and the GIL]
