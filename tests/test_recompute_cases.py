@@ -780,6 +780,23 @@ def test_a_parameter_written_through_data_before_backward_rescues_what_read_it()
     _check(build, _weight_written_through_data, min_recomputes=0)
 
 
+def test_a_parameter_written_under_no_grad_before_backward_rescues_what_read_it():
+    # Note [Written where nothing records]: under no_grad the write is not
+    # recorded at all; both recorders replayed the dropped activations with
+    # the halved weight, silently.
+    def run(model, x, evict):
+        loss = model(x).square().mean()
+        if evict:
+            _evict_everything()
+        with torch.no_grad():
+            model[0].weight.data.mul_(0.5)
+        loss.backward()
+        return loss
+
+    build = lambda: nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Sigmoid())
+    _check(build, run, min_recomputes=0)
+
+
 class _Distilled(nn.Module):
     # A teacher's output made under inference_mode, read by the loss.
     def __init__(self):

@@ -512,7 +512,12 @@ std::unique_ptr<at::ObserverContext> on_op_start(const at::RecordFunction& fn) {
 // out of memory at 60% of its peak; the Python recorder, whose p.data is a
 // new object and so held, fitted). A storage written where nothing records
 // loses its lineage: whatever reads it from then on holds it, through any
-// counter. What already read it keeps the lineage it read.
+// counter. What already read it keeps the lineage it read. And a storage
+// read as a held input is about to change: what reads it is rescued first
+// (Note [Held under another counter]), as for a recorded write; `with
+// torch.no_grad(): p.data.mul_(0.5)` between forward and backward went
+// unseen by both recorders, and the dropped activations that read p were
+// replayed with the new weight: wrong gradients, silently.
 void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs) {
   RecorderState& s = state();
   Deferred deferred;  // Note [Recorder lock and the GIL]
@@ -522,6 +527,8 @@ void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue
       if (position >= inputs.size() || !inputs[position].isTensor()) continue;
       const at::Tensor& target = inputs[position].toTensor();
       if (!target.defined() || !target.has_storage()) continue;
+      const uintptr_t key = storage_address(target);
+      if (s.held_storages.count(key) != 0) deferred.rescues.push_back(key);
       auto found = s.by_storage.find(target.storage().unsafeGetStorageImpl());
       if (found == s.by_storage.end()) continue;
       deferred.released.push_back(std::move(found->second.lineage));

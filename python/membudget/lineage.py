@@ -439,6 +439,23 @@ class Lineage:
                 self._rescue_before_write(target)
         return node
 
+    def before_unrecorded_write(self, info: _FuncInfo, args, kwargs) -> None:
+        """An op that is not recorded (grad off) is about to write in place
+        while entries live: what reads the written storages as held inputs
+        is rescued first (Note [Written where nothing records] in
+        csrc/torch/lineage_recorder.cpp: ``with torch.no_grad():
+        p.data.mul_(0.5)`` between forward and backward replayed dropped
+        activations with the new weight, silently). Storages this recorder
+        knows the lineage of keep it: a write under no_grad moves the
+        written tensor's counter, and every tensor object on them holds its
+        own lineage."""
+        for position, name in info.writes:
+            if name in info.scratch:
+                continue
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, torch.Tensor) and type(getattr(target, _ATTR, None)) is not StorageLineage:
+                self._rescue_before_write(target)
+
     def _rescue_before_write(self, target: torch.Tensor) -> None:
         # Note [Rescue before the write]: a write to a tensor lineage did not
         # produce: whatever was recorded from its old value can no longer be
@@ -693,6 +710,8 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
     # off in a custom Function's forward, which is recorded all the same
     # (Note [Custom Function forwards] in csrc/torch/function_forwards.cpp).
     if not info.recorded or _graph_task_id() != -1 or not (_grad_enabled() or _in_function_forward()):
+        if info.writes and self.lineage.by_entry and _graph_task_id() == -1:
+            self.lineage.before_unrecorded_write(info, args, kwargs)
         return info.op(*args, **kwargs)
     for kind in types:  # tensor subclasses (fake, functional, user wrappers): not ours
         if kind is not _PLAIN_TENSOR:
