@@ -37,17 +37,23 @@ thread_local int t_compiled_regions = 0;
 // The Python recorder's callback on this thread (track_function_forwards).
 thread_local std::optional<at::CallbackHandle> t_tracker;
 
-// Whether a record names an operator, by the address of its name (stable:
-// an operator's schema name, or a Function class's tp_name). Asking the
-// record itself builds an OperatorName, two string copies per op.
-bool names_an_operator(const at::RecordFunction& fn) {
-  thread_local std::unordered_map<const void*, bool> cache;
+// decide(fn), remembered by the address of the record's name (stable: an
+// operator's schema name, or a Function class's tp_name) in `cache`.
+template <typename Decide>
+bool by_name(const at::RecordFunction& fn, std::unordered_map<const void*, bool>& cache, Decide decide) {
   const void* key = fn.name();
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const bool op = fn.operator_name().has_value();
-  cache.emplace(key, op);
-  return op;
+  const bool answer = decide(fn);
+  cache.emplace(key, answer);
+  return answer;
+}
+
+// Whether a record names an operator. Asking the record itself builds an
+// OperatorName, two string copies per op.
+bool names_an_operator(const at::RecordFunction& fn) {
+  thread_local std::unordered_map<const void*, bool> cache;
+  return by_name(fn, cache, [](const at::RecordFunction& f) { return f.operator_name().has_value(); });
 }
 
 // Something non-null for the records that opened a forward: what the end
@@ -91,12 +97,7 @@ bool starts_function_forward(const at::RecordFunction& fn) {
 // compile_backend.
 bool is_compiled_region(const at::RecordFunction& fn) {
   thread_local std::unordered_map<const void*, bool> cache;
-  const void* key = fn.name();
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const bool compiled = std::string_view(fn.name()) == "CompiledFunction";
-  cache.emplace(key, compiled);
-  return compiled;
+  return by_name(fn, cache, [](const at::RecordFunction& f) { return std::string_view(f.name()) == "CompiledFunction"; });
 }
 
 void enter_function_forward(bool compiled) {

@@ -431,24 +431,20 @@ class Lineage:
         self.ops_recorded += 1
         if info.random:
             node.rng = _capture_generator(args, kwargs)
-        for position, name in info.writes:
-            if name in info.scratch:
-                continue
-            target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor) and type(getattr(target, _ATTR, None)) is not StorageLineage:
-                self._rescue_before_write(target)
+        self.rescue_before_writes(info, args, kwargs)
         return node
 
-    def before_unrecorded_write(self, info: _FuncInfo, args, kwargs) -> None:
-        """An op that is not recorded (grad off) is about to write in place
-        while entries live: what reads the written storages as held inputs
-        is rescued first (Note [Written where nothing records] in
-        csrc/torch/lineage_recorder.cpp: ``with torch.no_grad():
-        p.data.mul_(0.5)`` between forward and backward replayed dropped
-        activations with the new weight, silently). Storages this recorder
-        knows the lineage of keep it: a write under no_grad moves the
-        written tensor's counter, and every tensor object on them holds its
-        own lineage."""
+    def rescue_before_writes(self, info: _FuncInfo, args, kwargs) -> None:
+        """``info``'s op is about to write its arguments in place: what reads
+        a written tensor that no recorded op produced (a held input) is
+        rescued first (Note [Rescue before the write]). Called for recorded
+        ops, and for unrecorded ones (grad off) while entries live (Note
+        [Written where nothing records] in csrc/torch/lineage_recorder.cpp:
+        ``with torch.no_grad(): p.data.mul_(0.5)`` between forward and
+        backward replayed dropped activations with the new weight,
+        silently). Storages this recorder knows the lineage of keep it: a
+        write under no_grad moves the written tensor's counter, and every
+        tensor object on them holds its own lineage."""
         for position, name in info.writes:
             if name in info.scratch:
                 continue
@@ -711,7 +707,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
     # (Note [Custom Function forwards] in csrc/torch/function_forwards.cpp).
     if not info.recorded or _graph_task_id() != -1 or not (_grad_enabled() or _in_function_forward()):
         if info.writes and self.lineage.by_entry and _graph_task_id() == -1:
-            self.lineage.before_unrecorded_write(info, args, kwargs)
+            self.lineage.rescue_before_writes(info, args, kwargs)
         return info.op(*args, **kwargs)
     for kind in types:  # tensor subclasses (fake, functional, user wrappers): not ours
         if kind is not _PLAIN_TENSOR:
