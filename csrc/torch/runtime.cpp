@@ -191,9 +191,17 @@ thread_local bool t_speculative = false;  // Note [Speculative allocations]
 // unmanaged, so at its out-of-memory error nothing was evictable and the
 // message read "evictable 0 B" with no word of why. A thread without any
 // saved-tensor hooks is said to be one. (The autograd engine's device
-// threads inherit the hooks of the backward they run.)
+// threads inherit the hooks of the backward they run.) Inside a torch.func
+// transform membudget's hooks are taken off and hooks are disabled (Note
+// [torch.func transforms run unmanaged] in _func_transforms.py): that is said
+// instead.
 std::string unmanaged_thread_note() {
   if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return "";
+  if (!at::SavedTensorDefaultHooks::is_enabled()) {
+    return " This allocation came from inside a torch.func transform (grad, vjp, jacrev, hessian), where "
+           "saved-tensor hooks are disabled: what it saves is not managed; lower its batch or chunk it "
+           "(vmap's chunk_size).";
+  }
   return " This allocation came from a thread without membudget's saved-tensor hooks: activations saved "
          "on it are not managed (hooks are per thread); run the training step on the thread that called "
          "install().";

@@ -53,7 +53,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint_regions
+from . import _checkpoint_regions, _func_transforms
 from .config import Config, resolve_lineage, resolve_recompute_ahead
 from ._native import load_extension
 
@@ -218,7 +218,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     # cost time (and the unmanaged peak is measured this way).
     if not recording:
         native.set_recompute_callback(None)
-        torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+        _push_saved_tensor_hooks(native.pack, native.unpack)
         return
     from .lineage import Lineage, LineageMode, hide_from_dynamo, track_function_forwards
     from .replay import rebuild_entry, rebuild_entry_on_stream
@@ -246,12 +246,20 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     for function in (pack, unpack, recompute, _rearm, _park_for_step, _unpark_after_step, _release_lineage_at_step):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _push_saved_tensor_hooks(pack, unpack)
     track_function_forwards(native, True)
     _lineage_mode = LineageMode(lineage)
     _lineage_mode.__enter__()
     _lineage = lineage
     _wrap_autograd_entry_points()
+
+
+def _push_saved_tensor_hooks(pack, unpack) -> None:
+    """Push membudget's saved-tensor hooks on this thread, and let torch.func
+    transforms run beside them (Note [torch.func transforms run unmanaged] in
+    ``_func_transforms.py``)."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _func_transforms.allow_transforms(pack, unpack)
 
 
 def _recompute_callback(device: torch.device, rebuild, rebuild_on_stream):
@@ -302,7 +310,7 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
     for function in (pack, unpack, recompute, _release_lineage_at_step):
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    _push_saved_tensor_hooks(pack, unpack)
     lineage.start()
     _lineage = lineage
     _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
@@ -445,6 +453,7 @@ def uninstall() -> None:
                 # and the next run in the process started with them.
                 native.set_recompute_callback(None)
         _checkpoint_regions.keep_regions()
+        _func_transforms.restore()
         native.uninstall_runtime()
 
 

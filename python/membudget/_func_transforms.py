@@ -1,0 +1,130 @@
+"""torch.func transforms while membudget is installed.
+
+Where this sits in the flow: ``install()`` calls :func:`allow_transforms` with
+the saved-tensor hooks it pushed; ``uninstall()`` calls :func:`restore`.
+
+Note [torch.func transforms run unmanaged]: ``torch.func.grad``, ``vjp``,
+``jacrev`` and ``hessian`` (and ``grad_and_value``, ``vmap`` over any of
+them) enter ``torch.autograd.graph.disable_saved_tensors_hooks``, which raises
+when any saved-tensor hooks are pushed on the thread. membudget's stay pushed
+while it is installed, so a script using them (per-sample gradients,
+meta-learning's inner loops, Jacobian penalties) failed under ``membudget run``
+where plain PyTorch runs: "torch.func.{grad, vjp, jacrev, hessian} don't yet
+support saved tensor hooks", with nothing naming membudget.
+
+While installed, that context manager is replaced by one that, on the install
+thread and when membudget's hooks top the hook stack, takes them off for the
+transform and pushes them back after it. Inside a transform nothing is packed:
+what it saves is held the way plain PyTorch holds it, never swapped or
+dropped, and counts toward the budget like any other allocation. Outside it
+everything is managed as before. The lineage recorder stays on, so that a
+write inside a transform to a tensor recorded ops read is still seen (Note
+[Written where nothing records] in ``lineage.py``). Where hooks other than
+membudget's top the stack (a ``save_on_cpu`` region, a user's own), torch
+refuses exactly as it would without membudget. torch older than 2.8 cannot
+show the top of the hook stack, so there the transforms still refuse, with a
+message that says why.
+
+Why the context manager and not the transforms: they are decorated at import
+(``doesnt_support_saved_tensors_hooks`` in ``torch/_functorch/vmap.py``) and
+users hold them under their own names (``from torch.func import grad``); the
+decorator looks the context manager up on ``torch.autograd.graph`` each time
+it runs. Under ``torch.compile`` a transform used to fail while tracing (torch's
+context manager refuses there too); ours is hidden from Dynamo, so the frame
+that calls the transform is skipped and runs eagerly, with the same results.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.autograd.graph as _graph
+
+__all__ = ["allow_transforms", "restore"]
+
+_original: Optional[Callable] = None      # torch's context manager while ours stands in
+_thread: Optional[int] = None             # the install thread
+_hooks: Optional[Tuple[Callable, Callable]] = None  # membudget's (pack, unpack)
+
+_OLD_TORCH = ("membudget: torch.func transforms refuse saved-tensor hooks, and this torch ({}) cannot show "
+              "whether the hooks on top are membudget's; upgrade to torch >= 2.8, or call "
+              "membudget.uninstall() around the transform")
+
+
+def _top_hooks():
+    """The (pack, unpack) pair on top of this thread's hook stack, None when
+    it is empty; raises AttributeError where torch cannot tell."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(True)  # ignore_is_tracing: the stack as pushed
+    except TypeError:
+        return top()
+
+
+def _ours_on_top() -> bool:
+    try:
+        top = _top_hooks()
+    except AttributeError:
+        raise RuntimeError(_OLD_TORCH.format(torch.__version__)) from None
+    return top is not None and _hooks is not None and top[0] is _hooks[0] and top[1] is _hooks[1]
+
+
+class _DisableBesideMembudget:
+    """torch's ``disable_saved_tensors_hooks`` with membudget's hooks off the
+    stack for its duration when they are on top (Note [torch.func transforms
+    run unmanaged]). Hidden from Dynamo: a compiled transform is skipped and
+    runs eagerly, as it must, since torch's own context manager cannot run
+    with membudget's hooks pushed there either."""
+
+    def __init__(self, error_message: str):
+        self._error_message = error_message
+        self._inner = None
+        self._popped = None
+
+    @torch.compiler.disable
+    def __enter__(self):
+        hooks = _hooks
+        if threading.get_ident() == _thread and hooks is not None and _ours_on_top():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._popped = hooks
+        self._inner = (_original or _graph.disable_saved_tensors_hooks)(self._error_message)
+        try:
+            self._inner.__enter__()
+        except BaseException:
+            self._push_back()
+            raise
+        return None
+
+    @torch.compiler.disable
+    def __exit__(self, *exc_info):
+        try:
+            return self._inner.__exit__(*exc_info)
+        finally:
+            self._push_back()
+
+    def _push_back(self) -> None:
+        if self._popped is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self._popped)
+            self._popped = None
+
+
+def allow_transforms(pack: Callable, unpack: Callable) -> None:
+    """Let torch.func transforms run on the calling thread, which has just
+    pushed ``pack``/``unpack``: unmanaged inside them, managed outside."""
+    global _original, _thread, _hooks
+    if _original is None:
+        _original = _graph.disable_saved_tensors_hooks
+        _graph.disable_saved_tensors_hooks = _DisableBesideMembudget
+    _thread = threading.get_ident()
+    _hooks = (pack, unpack)
+
+
+def restore() -> None:
+    """Give torch its own context manager back (a no-op when it has it)."""
+    global _original, _thread, _hooks
+    if _original is not None:
+        _graph.disable_saved_tensors_hooks = _original
+    _original = None
+    _thread = None
+    _hooks = None
