@@ -99,6 +99,33 @@ def test_a_chain_thousands_of_dropped_tensors_deep_rebuilds_without_recursion():
     assert stats["dropped_bytes"] == 0
 
 
+def test_rebuilt_inputs_are_let_go_once_read():
+    # Note [Rebuilt inputs let go once read] (csrc/torch/saved_activation.cpp):
+    # replaying the dropout's output (its mask times the GELU's output, which
+    # is replayed from the dropped first activation) held that activation
+    # through the whole replay, beside its temporaries. Recompute-only then
+    # needed 89% of the unmanaged peak; three quarters now fit.
+    from training import assert_identical, run_managed, run_plain
+
+    def build():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 256), nn.Tanh(),
+                             nn.Linear(256, 10))
+
+    def batch():
+        return torch.randn(4096, 64), torch.randint(0, 10, (4096,))
+
+    def loss(model, inputs):
+        return nn.functional.cross_entropy(model(inputs[0]), inputs[1])
+
+    reference = run_plain(build, batch, loss, 3)
+    peak = run_managed(build, batch, loss, 3, budget=None).stats["reserved_bytes.all.peak"]
+    budget = int(peak * 0.76)
+    managed = run_managed(build, batch, loss, 3, budget=budget, actions="recompute")
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["recompute_count"] > 0 and managed.stats["swap_out_bytes"] == 0
+
+
 class _GeneratorAndCritic(nn.Module):
     def __init__(self):
         super().__init__()

@@ -78,6 +78,9 @@ class ResidencyEntry {
   Residency state_ = Residency::resident;
   bool registered_ = false;
   bool prefetched_ = false;   // a swap-in (or replay) was issued by the prefetcher
+  // Read by a replay that is still running (Note [Rebuilt inputs let go once
+  // read] in csrc/torch/saved_activation.cpp): evicted only after all else.
+  bool replay_input_ = false;
   // Note [Recompute ahead]
   bool ahead_queued_ = false;      // queued for a replay ahead of use, not begun
   bool recomputed_ahead_ = false;  // rebuilt ahead of use, not unpacked since

@@ -93,13 +93,17 @@ void ResidencyManager::rank_candidates(std::vector<EvictionCandidate>::iterator 
   scored.reserve(static_cast<size_t>(last - first));
   for (auto it = first; it != last; ++it) scored.emplace_back(filter_->score(*it, context), *it);
   // Whatever the filter says, a tensor the prefetcher just brought in goes
-  // last: evicting it before its use wastes both copies.
+  // last: evicting it before its use wastes both copies. So does an input of
+  // a replay still running: it was just rebuilt or read, and is often read
+  // again soon (Note [Rebuilt inputs let go once read]).
   // Ties (equal sizes and costs are common) break by pack order, so that a
   // run does not depend on where entries happen to sit in memory.
   std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
     const ResidencyEntry* x = a.second.entry;
     const ResidencyEntry* y = b.second.entry;
-    if (x->prefetched_ != y->prefetched_) return !x->prefetched_;
+    const bool x_last = x->prefetched_ || x->replay_input_;
+    const bool y_last = y->prefetched_ || y->replay_input_;
+    if (x_last != y_last) return !x_last;
     if (a.first != b.first) return a.first > b.first;
     if (x->iteration_ != y->iteration_) return x->iteration_ < y->iteration_;
     return x->pack_seq_ < y->pack_seq_;

@@ -318,6 +318,11 @@ void ResidencyManager::unpin(ResidencyEntry* entry) {
   --entry->pins_;
 }
 
+void ResidencyManager::set_replay_input(ResidencyEntry* entry, bool reading) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  entry->replay_input_ = reading;
+}
+
 void ResidencyManager::issue_prefetches(Stream stream) {
   if (config_.prefetch_bytes == 0 || !order_.has_prediction()) return;
   // A window larger than a fraction of the budget only evicts what it just

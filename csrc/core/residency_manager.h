@@ -156,6 +156,10 @@ class ResidencyManager final : public Evictor {
   // complete_recompute() (Note [Recompute]).
   void* materialize(ResidencyEntry* entry, Stream stream);
   void unpin(ResidencyEntry* entry);
+  // While `reading`, the entry is an input of a replay still running: it
+  // may be evicted, but only after every other candidate (Note [Rebuilt
+  // inputs let go once read] in csrc/torch/saved_activation.cpp).
+  void set_replay_input(ResidencyEntry* entry, bool reading);
 
   // Declares how the binding could rebuild the entry: whether it can be
   // replayed at all, what its own replay costs, and which managed entries

@@ -131,6 +131,56 @@ at::Tensor tensor_on_storage(c10::Storage storage, int64_t offset, c10::IntArray
 
 c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& residency);
 
+// Note [Rebuilt inputs let go once read]: the dropped ancestors rebuilt for
+// an entry's replay (Note [Dropped ancestors rebuilt in order]) that its own
+// replay reads were held until that whole replay had run. A replay is often
+// several ops (a dropout's output is its mask times the activation before it,
+// which is replayed too), and an ancestor read by the first one stayed
+// resident, unevictable, through the rest, beside their temporaries: an MLP
+// whose every activation was dropped needed 22 MiB recompute-only (89% of
+// its peak) where 17 do. Now the replay's first read of such an ancestor
+// (entry_storage) takes it from the held set: from then on the read's own
+// tensor holds it, for as long as the op that reads it, and after that it can
+// be evicted again, but only after every other candidate until the replay
+// ends (ResidencyManager::set_replay_input): it is often read again soon,
+// by the same replay or by the backward op that needs it. A later read of it
+// in the same replay finds it resident or materializes it again (without
+// nesting: Note [Dropped ancestors rebuilt in order]).
+struct ReplayInputsHeld;
+thread_local ReplayInputsHeld* t_replay_held = nullptr;
+
+// The held set of the replay running on this thread, and the entries it has
+// let go of, marked as replay inputs until it ends.
+struct ReplayInputsHeld {
+  explicit ReplayInputsHeld(std::unordered_map<uint64_t, c10::Storage>& held)
+      : held(held), previous(t_replay_held) {
+    t_replay_held = this;
+  }
+  ~ReplayInputsHeld() {
+    t_replay_held = previous;
+    Runtime* runtime = Runtime::get();
+    if (runtime == nullptr || read.empty()) return;
+    for (uint64_t id : read) {
+      if (std::shared_ptr<StorageResidency> residency = find_residency(id)) {
+        runtime->manager().set_replay_input(residency.get(), false);
+      }
+    }
+  }
+  ReplayInputsHeld(const ReplayInputsHeld&) = delete;
+  ReplayInputsHeld& operator=(const ReplayInputsHeld&) = delete;
+
+  // A read of `id` by this replay: let go of it if held (see the Note).
+  void on_read(ResidencyManager& manager, const std::shared_ptr<StorageResidency>& residency) {
+    if (held.erase(residency->id()) == 0) return;
+    manager.set_replay_input(residency.get(), true);
+    read.push_back(residency->id());
+  }
+
+  std::unordered_map<uint64_t, c10::Storage>& held;
+  std::vector<uint64_t> read;
+  ReplayInputsHeld* previous;
+};
+
 // Note [Dropped ancestors rebuilt in order]: a replay reads its managed
 // inputs through materialize_storage, so a dropped input was rebuilt inside
 // the replay that read it, its own dropped input inside that one, and so on:
@@ -205,6 +255,7 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
     TORCH_CHECK(g_recompute_fn != nullptr && !g_recompute_fn->is_none(),
                 "membudget: a dropped activation needs recomputation but no lineage is installed");
     std::unordered_map<uint64_t, c10::Storage> inputs = rebuild_dropped_ancestors(manager, residency.get());
+    ReplayInputsHeld hand_over(inputs);  // Note [Rebuilt inputs let go once read]
     py::object rebuilt = (*g_recompute_fn)(residency->id(), false);
     inputs.clear();
     // Take the storage and let the C++ tensor go before the Python one: a
@@ -435,6 +486,9 @@ at::Tensor entry_storage(uint64_t entry_id) {
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
   if (residency == nullptr) return at::Tensor();
   c10::Storage storage = materialize_storage(residency);
+  if (t_replay_held != nullptr) {
+    t_replay_held->on_read(Runtime::get()->manager(), residency);  // Note [Rebuilt inputs let go once read]
+  }
   const auto nbytes = static_cast<int64_t>(storage.nbytes());
   return tensor_on_storage(std::move(storage), 0, {nbytes}, {1}, at::kByte);
 }
