@@ -78,3 +78,37 @@ def test_training_loop_under_half_the_peak_is_exact(kind, make_workload, actions
         assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
     else:
         assert stats["swap_out_bytes"] > 0
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self, width: int = 128):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())])
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).squeeze(1)
+
+
+def _input_gradient_penalty(model, batch):
+    x, y = batch
+    out, grad_x = torch.autograd.functional.vjp(model, x, torch.ones(x.shape[0]), create_graph=True)
+    return torch.nn.functional.mse_loss(out, y) + 1e-3 * grad_x.pow(2).mean()
+
+
+def test_gradients_a_penalty_reads_are_swapped_not_held():
+    # Note [Held inputs reached through their entry] (lineage_recorder.cpp):
+    # the input gradient create_graph returns is read by the penalty, where
+    # lineage records, and saved for backward. Held for replays as a tensor,
+    # its entry could not be evicted: actions both ran out of memory at 60%
+    # of the peak where swap alone fitted, under either recorder.
+    batch = lambda: (torch.randn(2048, 128), torch.randn(2048))  # noqa: E731
+    reference = run_plain(_Deep, batch, _input_gradient_penalty, STEPS)
+    unbudgeted = run_managed(_Deep, batch, _input_gradient_penalty, STEPS, budget=None,
+                             min_tensor_bytes=MIN_TENSOR_BYTES)
+    budget = int(unbudgeted.stats["reserved_bytes.all.peak"] * 0.6)
+    managed = run_managed(_Deep, batch, _input_gradient_penalty, STEPS, budget=budget, actions="both",
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["swap_out_bytes"] > 0

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,8 +44,16 @@ struct StorageLineage;
 
 // A tensor no recorded op produced (a parameter, the batch): held, not rebuilt.
 struct External {
-  at::Tensor tensor;
+  at::Tensor tensor;  // undefined once held through its entry
   uintptr_t key = 0;  // storage address when first read this forward
+  // Note [Held inputs reached through their entry] (lineage_recorder.cpp):
+  // once the tensor's storage is a managed entry, the entry is held instead
+  // of the tensor, with the tensor's version counter, and the TensorImpl
+  // weakly (its address, the key of RecorderState::externals, is not reused).
+  std::shared_ptr<void> entry;  // a StorageResidency
+  uint64_t entry_id = 0;
+  c10::VariableVersion version;
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;
 };
 
 // A tensor argument of a recorded op (lineage.py's TensorRef).

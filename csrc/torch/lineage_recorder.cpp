@@ -79,6 +79,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <chrono>
@@ -152,10 +153,14 @@ bool all_plain(c10::ArrayRef<const c10::IValue> inputs) {
   return true;
 }
 
+}  // namespace
+
 uintptr_t storage_address(const at::Tensor& t) {
   if (!t.has_storage()) return 0;
   return reinterpret_cast<uintptr_t>(t.storage().data());
 }
+
+namespace {
 
 // Note [Rescued before a sweep]: the sweep below releases the writers of
 // the forward two before this one. An entry still alive whose replay runs
@@ -367,6 +372,40 @@ bool history_released(const RecorderState& s, const StorageLineage& lineage) {
   return false;
 }
 
+// Note [Held inputs reached through their entry]: a tensor no recorded op
+// produced is held for replays (External), which kept its storage
+// referenced, so that if it was also saved for backward its entry could
+// never be evicted. Such tensors are often nobody else's: the gradients
+// create_graph returns, read by a gradient penalty (torch.autograd.functional.vjp
+// with create_graph=True in the loss of a 6-layer MLP ran out of memory with
+// actions both at 60% of its peak where swap fitted: 1 MiB of gradients held
+// through backward), a compiled region's outputs read by eager code. Once the
+// storage is a managed entry (packed before the read, or at its pack after
+// it), the entry is held instead: it can be swapped like any other (it has
+// no lineage, so it is never dropped), a replay reads it through
+// entry_storage, and the tensor's version counter, kept apart from the
+// tensor, still catches a write lineage did not see. The TensorImpl is held
+// weakly, so that its address, the key of RecorderState::externals, is not
+// reused by another tensor while the External is mapped. Inference tensors
+// (no version counter) stay held as they are.
+void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry, Deferred* deferred) {
+  if (!held.tensor.defined() || held.tensor.is_inference()) return;
+  held.version = torch::autograd::impl::version_counter(held.tensor);
+  held.impl.emplace(held.tensor.getIntrusivePtr());
+  held.entry_id = entry->id();
+  held.entry = std::move(entry);
+  if (deferred != nullptr) {
+    // The last reference to a tensor with a Python object takes the GIL when
+    // released: not under the lock (Note [Recorder lock and the GIL]).
+    deferred->released.push_back(std::make_shared<at::Tensor>(std::move(held.tensor)));
+  }
+  held.tensor = at::Tensor();
+}
+
+int64_t external_version(const External& held) {
+  return held.tensor.defined() ? version_of(held.tensor) : static_cast<int64_t>(held.version.current_version());
+}
+
 namespace {
 
 TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
@@ -403,10 +442,16 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
     held->tensor = tensor;
     held->key = storage_address(tensor);
     s.held_storages.insert(held->key);
+    if (tensor.has_storage() && !scratch) {
+      if (std::shared_ptr<StorageResidency> entry = entry_of_storage(tensor.storage())) {
+        hold_through_entry(*held, std::move(entry), nullptr);
+      }
+    }
   }
   ref.external = held;
   return ref;
 }
+
 
 void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs, OpNode& node) {
   node.args.resize(inputs.size());

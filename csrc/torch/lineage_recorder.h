@@ -18,6 +18,7 @@
 #include "torch/lineage_graph.h"
 
 namespace membudget {
+class StorageResidency;  // saved_activation.h
 namespace lineage {
 
 // A device model's rates (python/membudget/costs.py's DeviceModel), for the
@@ -113,6 +114,13 @@ const OpInfo* lookup_info(const at::RecordFunction& fn);
 inline int64_t version_of(const at::Tensor& tensor) {
   return tensor.is_inference() ? 0 : static_cast<int64_t>(tensor._version());
 }
+// A storage's data address (0 without storage): held inputs' keys.
+uintptr_t storage_address(const at::Tensor& t);
+// Holds `held`'s entry instead of its tensor (Note [Held inputs reached
+// through their entry]); the tensor goes to deferred->released when given.
+void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry, Deferred* deferred);
+// A held input's version counter, whether held as a tensor or through its entry.
+int64_t external_version(const External& held);
 // Whether a writer in lineage's history was released (or is being: Note
 // [Rescued before a sweep]).
 bool history_released(const RecorderState& s, const StorageLineage& lineage);

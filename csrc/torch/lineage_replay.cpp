@@ -62,7 +62,7 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
       if (ref.external != nullptr) {
         if (ref.scratch) continue;
         result->externals.push_back(ref.external->key);
-        ok = ok && version_of(ref.external->tensor) == ref.tensor_version;
+        ok = ok && external_version(*ref.external) == ref.tensor_version;
         continue;
       }
       const StorageLineage& source = *ref.lineage;
@@ -204,13 +204,21 @@ class Replayer {
   // A tensor whose storage holds ref's storage at ref.version.
   at::Tensor storage_holder(const TensorRef& ref) {
     if (ref.external != nullptr) {
-      const at::Tensor& held = ref.external->tensor;
-      if (!ref.scratch && version_of(held) != ref.tensor_version) {
+      const External& held = *ref.external;
+      const int64_t version = external_version(held);
+      if (!ref.scratch && version != ref.tensor_version) {
         throw ReplayError("membudget: an input of a dropped activation was modified in place after forward (version " +
-                          std::to_string(ref.tensor_version) + " -> " + std::to_string(version_of(held)) +
+                          std::to_string(ref.tensor_version) + " -> " + std::to_string(version) +
                           "); it cannot be recomputed");
       }
-      return held;
+      if (held.tensor.defined()) return held.tensor;
+      // Held through its entry (Note [Held inputs reached through their
+      // entry]): swapped in if it is on host.
+      at::Tensor stored = entry_storage(held.entry_id);
+      if (!stored.defined()) {
+        throw ReplayError("membudget: an input of a dropped activation was released; it cannot be recomputed");
+      }
+      return recorded_on_side_stream(stored);
     }
     const std::shared_ptr<StorageLineage>& source = ref.lineage;
     auto override_it = overrides_.find(source.get());
@@ -389,6 +397,19 @@ std::shared_ptr<StorageLineage> declaring_lineage(RecorderState& s, uint64_t ent
 }
 
 void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred) {
+  const uintptr_t key = storage_address(tensor);
+  if (s.held_storages.count(key) != 0) {  // Note [Held inputs reached through their entry]
+    std::shared_ptr<StorageResidency> entry;
+    for (auto& [impl, held] : s.externals) {
+      if (held->key != key || !held->tensor.defined() || !held->tensor.has_storage() ||
+          !held->tensor.storage().is_alias_of(tensor.storage())) {
+        continue;
+      }
+      if (entry == nullptr) entry = entry_of_storage(tensor.storage());
+      if (entry == nullptr) break;
+      hold_through_entry(*held, entry, &deferred);
+    }
+  }
   auto it = s.by_storage.find(tensor.storage().unsafeGetStorageImpl());
   if (it == s.by_storage.end()) return;
   std::shared_ptr<StorageLineage> lineage = it->second.lineage;

@@ -404,6 +404,8 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       version_counter_(version_counter_of(view)),
       saved_version_(current_version(version_counter_)) {}
 
+int64_t SavedActivation::current_tensor_version() const { return current_version(version_counter_); }
+
 at::Tensor SavedActivation::unpack() const {
   check_unmodified(version_counter_, saved_version_, dtype_, sizes_, device_);
   Runtime* runtime = Runtime::get();
@@ -498,6 +500,12 @@ py::object entry_storage_tensor(uint64_t entry_id) {
   return tensor.defined() ? py::cast(std::move(tensor)) : py::none();
 }
 
+std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = g_registry.find(storage.unsafeGetStorageImpl());
+  return it == g_registry.end() ? nullptr : it->second.lock();
+}
+
 std::vector<uint64_t> live_entry_ids() {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   std::vector<uint64_t> ids;
@@ -525,6 +533,8 @@ void bind_saved_activation(py::module_& m) {
                               "A saved activation under membudget's residency management.")
       .def_property_readonly("storage_bytes", &SavedActivation::storage_bytes)
       .def_property_readonly("entry_id", &SavedActivation::entry_id)
+      .def_property_readonly("version", &SavedActivation::current_tensor_version,
+                             "the saved tensor's version counter now (0 when it has none)")
       .def("__repr__", [](const SavedActivation& s) {
         return "<membudget.SavedActivation " + std::to_string(s.storage_bytes()) + " bytes on " + s.state() + ">";
       });
@@ -534,6 +544,14 @@ void bind_saved_activation(py::module_& m) {
   m.def("entry_storage", &entry_storage_tensor, py::arg("entry_id"),
         "The whole storage of a live entry, resident, as a 1-D uint8 tensor (None if not live)");
   m.def("live_entry_ids", &live_entry_ids, "ids of the live managed entries");
+  m.def("entry_handle", [](const at::Tensor& tensor) -> py::object {
+    if (!tensor.has_storage() || tensor.is_inference()) return py::none();
+    std::shared_ptr<StorageResidency> entry = entry_of_storage(tensor.storage());
+    if (entry == nullptr) return py::none();
+    return py::cast(SavedActivation(std::move(entry), tensor));
+  }, py::arg("tensor"),
+        "A handle on the live managed entry holding tensor's storage, with tensor's geometry and version "
+        "counter, or None (Note [Held inputs reached through their entry] in lineage_recorder.cpp)");
   m.def("set_recompute_callback", [](py::object fn) {
     if (g_recompute_fn == nullptr) g_recompute_fn = new py::object();
     *g_recompute_fn = std::move(fn);

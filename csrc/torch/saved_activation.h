@@ -46,6 +46,8 @@ class SavedActivation {
   uint64_t entry_id() const { return residency_->id(); }
   StorageResidency& residency() const { return *residency_; }
   std::string state() const;
+  // The saved tensor's version counter now (0 when it has none).
+  int64_t current_tensor_version() const;
 
  private:
   std::shared_ptr<StorageResidency> residency_;
@@ -75,6 +77,9 @@ pybind11::object entry_storage_tensor(uint64_t entry_id);
 // The same as a tensor (undefined when no live entry has that id), for the
 // C++ lineage recorder's replays. Called with the GIL held.
 at::Tensor entry_storage(uint64_t entry_id);
+// The live managed entry whose storage is `storage`, or null (Note [Held
+// inputs reached through their entry] in lineage_recorder.cpp).
+std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage);
 // Ids of the live managed entries.
 std::vector<uint64_t> live_entry_ids();
 // Declares whether and at what cost an entry can be replayed, and which

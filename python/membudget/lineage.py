@@ -108,17 +108,46 @@ class StorageLineage:
         self.memo: Dict[int, tuple] = {}     # version -> closure (see replay.closure)
 
 
-class ExternalLineage:
-    """A tensor no recorded op produced (a parameter, the batch): held, not rebuilt."""
+def _version_of(tensor: torch.Tensor) -> int:
+    """A held input's version counter; 0 for an inference tensor, which has
+    none (and cannot be written outside inference mode)."""
+    return 0 if tensor.is_inference() else tensor._version
 
-    __slots__ = ("tensor", "key", "__weakref__")
+
+class ExternalLineage:
+    """A tensor no recorded op produced (a parameter, the batch): held, not rebuilt.
+
+    Once its storage is a managed entry, the entry is held instead, through a
+    handle (Note [Held inputs reached through their entry] in
+    csrc/torch/lineage_recorder.cpp): ``tensor`` is then None, ``handle``
+    reads the tensor's version counter and keeps the entry alive, and
+    ``weak`` tells whether the id keying :attr:`Lineage.externals` is still
+    this tensor's."""
+
+    __slots__ = ("tensor", "key", "handle", "weak", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+        self.handle = None
+        self.weak = None
         # Its storage address when first read in this forward (externals are
         # renewed every forward): what replay.rescue_dependents_of matches
         # writes against, computed once instead of at every pack that reads it.
         self.key = storage_address(tensor)
+
+    def hold_through(self, handle) -> None:
+        """Holds ``handle``'s entry instead of the tensor (see the class)."""
+        self.weak = weakref.ref(self.tensor)
+        self.handle = handle
+        self.tensor = None
+
+    def held(self) -> Optional[torch.Tensor]:
+        """The tensor, while held or alive; None once released or dead."""
+        return self.tensor if self.handle is None else self.weak()
+
+    def version(self) -> int:
+        """The tensor's version counter now."""
+        return _version_of(self.tensor) if self.handle is None else self.handle.version
 
 
 class TensorRef(tuple):
@@ -331,7 +360,7 @@ class Lineage:
         if not self.in_backward or self.native.live_entry_ids():
             return False
         for held in self.externals.values():
-            held.tensor = None
+            held.tensor = held.handle = None
         self.externals = {}
         self.by_entry = {}
         _generation += 1
@@ -359,8 +388,12 @@ class Lineage:
             # long-lived buffers in practice.
             delattr(tensor, _ATTR)
         held = self.externals.get(id(tensor))
-        if held is None or held.tensor is not tensor:
+        if held is None or held.held() is not tensor:
             held = self.externals[id(tensor)] = ExternalLineage(tensor)
+            if not scratch and self.native is not None and tensor.layout is torch.strided:
+                handle = self.native.entry_handle(tensor)  # packed before this read
+                if handle is not None:
+                    held.hold_through(handle)
         try:
             return _new_ref(held, 0, tensor, scratch)
         except RuntimeError:
@@ -574,6 +607,9 @@ class Lineage:
         """Declares to the manager how a newly managed storage can be rebuilt."""
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
+            held = self.externals.get(id(tensor))
+            if held is not None and held.tensor is tensor and held.handle is None:
+                held.hold_through(handle)  # read before this pack
             return
         declared = self.by_entry.get(handle.entry_id)
         if declared is not None and (lineage in self.ambiguous or declared in self.ambiguous):

@@ -74,13 +74,13 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if source is lineage:
                 continue  # the storage being rebuilt, replayed in order
             if type(source) is ExternalLineage:
-                if source.tensor is None:  # released (Note [Lineage released between steps])
+                if source.tensor is None and source.handle is None:  # released (Note [Lineage released between steps])
                     ok = False
                     continue
                 if ref.scratch:
                     continue
                 externals.add(source.key)
-                ok = ok and _version_of(source.tensor) == ref.tensor_version
+                ok = ok and source.version() == ref.tensor_version
                 continue
             if ref.version >= len(source.versions) or source.versions[ref.version] != ref.tensor_version:
                 ok = False  # read after a write lineage did not see
@@ -203,14 +203,24 @@ class _Replayer:
         """A tensor whose storage holds ``ref``'s storage at ``ref.version``."""
         source = ref.lineage
         if type(source) is ExternalLineage:
-            if source.tensor is None:
+            if source.tensor is None and source.handle is None:
                 raise RecomputeError("membudget: an input of a dropped activation was released with the step that "
                                      "made it (Note [Lineage released between steps]); it cannot be recomputed")
-            if not ref.scratch and _version_of(source.tensor) != ref.tensor_version:
+            if not ref.scratch and source.version() != ref.tensor_version:
                 raise RecomputeError(
                     "membudget: an input of a dropped activation was modified in place after forward "
-                    f"(version {ref.tensor_version} -> {_version_of(source.tensor)}); it cannot be recomputed")
-            return source.tensor
+                    f"(version {ref.tensor_version} -> {source.version()}); it cannot be recomputed")
+            if source.tensor is not None:
+                return source.tensor
+            # Held through its entry (Note [Held inputs reached through their
+            # entry] in csrc/torch/lineage_recorder.cpp): swapped in if on host.
+            stored = self.native.entry_storage(source.handle.entry_id)
+            if stored is None:
+                raise RecomputeError("membudget: an input of a dropped activation was released; it cannot be "
+                                     "recomputed")
+            if self.stream is not None:
+                stored.record_stream(self.stream)
+            return stored
         override = self.overrides.get(id(source))
         if override is not None and override[1] == ref.version:
             # Note [Reads of a storage being rebuilt]: the storage a replay is
@@ -235,12 +245,6 @@ class _Replayer:
                     alive.record_stream(self.stream)
                 return alive
         return self.rebuild(source, ref.version)
-
-
-def _version_of(tensor: torch.Tensor) -> int:
-    """A held input's version counter; 0 for an inference tensor, which has
-    none (and cannot be written outside inference mode)."""
-    return 0 if tensor.is_inference() else tensor._version
 
 
 def _view(holder: torch.Tensor, ref: TensorRef) -> torch.Tensor:
