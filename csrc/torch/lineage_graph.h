@@ -14,6 +14,7 @@
 #include <vector>
 
 namespace membudget {
+class StorageResidency;  // saved_activation.h
 namespace lineage {
 
 // What the recorder does with one operator, decided once from its
@@ -50,8 +51,7 @@ struct External {
   // once the tensor's storage is a managed entry, the entry is held instead
   // of the tensor, with the tensor's version counter, and the TensorImpl
   // weakly (its address, the key of RecorderState::externals, is not reused).
-  std::shared_ptr<void> entry;  // a StorageResidency
-  uint64_t entry_id = 0;
+  std::shared_ptr<StorageResidency> entry;
   c10::VariableVersion version;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;
 };

@@ -392,7 +392,6 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
   if (!held.tensor.defined() || held.tensor.is_inference()) return;
   held.version = torch::autograd::impl::version_counter(held.tensor);
   held.impl.emplace(held.tensor.getIntrusivePtr());
-  held.entry_id = entry->id();
   held.entry = std::move(entry);
   if (deferred != nullptr) {
     // The last reference to a tensor with a Python object takes the GIL when
@@ -451,7 +450,6 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   ref.external = held;
   return ref;
 }
-
 
 void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs, OpNode& node) {
   node.args.resize(inputs.size());

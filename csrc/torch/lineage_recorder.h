@@ -18,7 +18,6 @@
 #include "torch/lineage_graph.h"
 
 namespace membudget {
-class StorageResidency;  // saved_activation.h
 namespace lineage {
 
 // A device model's rates (python/membudget/costs.py's DeviceModel), for the

@@ -214,7 +214,7 @@ class Replayer {
       if (held.tensor.defined()) return held.tensor;
       // Held through its entry (Note [Held inputs reached through their
       // entry]): swapped in if it is on host.
-      at::Tensor stored = entry_storage(held.entry_id);
+      at::Tensor stored = entry_storage(held.entry->id());
       if (!stored.defined()) {
         throw ReplayError("membudget: an input of a dropped activation was released; it cannot be recomputed");
       }

@@ -141,6 +141,11 @@ class ExternalLineage:
         self.handle = handle
         self.tensor = None
 
+    def released(self) -> bool:
+        """True once the recorder let go of it (Note [Lineage released
+        between steps])."""
+        return self.tensor is None and self.handle is None
+
     def held(self) -> Optional[torch.Tensor]:
         """The tensor, while held or alive; None once released or dead."""
         return self.tensor if self.handle is None else self.weak()

@@ -74,7 +74,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if source is lineage:
                 continue  # the storage being rebuilt, replayed in order
             if type(source) is ExternalLineage:
-                if source.tensor is None and source.handle is None:  # released (Note [Lineage released between steps])
+                if source.released():
                     ok = False
                     continue
                 if ref.scratch:
@@ -199,11 +199,20 @@ class _Replayer:
         view = _view(holder, ref)
         return view.clone() if ref.scratch else view
 
+    def _resident(self, entry_id: int):
+        """A live entry's whole storage, made resident (swapped in, or
+        replayed), recorded on the side stream when there is one; None when
+        the entry is gone."""
+        resident = self.native.entry_storage(entry_id)
+        if resident is not None and self.stream is not None:
+            resident.record_stream(self.stream)
+        return resident
+
     def storage_holder(self, ref: TensorRef) -> torch.Tensor:
         """A tensor whose storage holds ``ref``'s storage at ``ref.version``."""
         source = ref.lineage
         if type(source) is ExternalLineage:
-            if source.tensor is None and source.handle is None:
+            if source.released():
                 raise RecomputeError("membudget: an input of a dropped activation was released with the step that "
                                      "made it (Note [Lineage released between steps]); it cannot be recomputed")
             if not ref.scratch and source.version() != ref.tensor_version:
@@ -214,12 +223,10 @@ class _Replayer:
                 return source.tensor
             # Held through its entry (Note [Held inputs reached through their
             # entry] in csrc/torch/lineage_recorder.cpp): swapped in if on host.
-            stored = self.native.entry_storage(source.handle.entry_id)
+            stored = self._resident(source.handle.entry_id)
             if stored is None:
                 raise RecomputeError("membudget: an input of a dropped activation was released; it cannot be "
                                      "recomputed")
-            if self.stream is not None:
-                stored.record_stream(self.stream)
             return stored
         override = self.overrides.get(id(source))
         if override is not None and override[1] == ref.version:
@@ -234,10 +241,8 @@ class _Replayer:
             return override[0]
         if ref.version == len(source.mutations):
             if source.entry_id is not None:
-                resident = self.native.entry_storage(source.entry_id)
+                resident = self._resident(source.entry_id)
                 if resident is not None:
-                    if self.stream is not None:
-                        resident.record_stream(self.stream)
                     return resident
             alive = source.base()
             if alive is not None and alive._version == source.versions[-1]:
