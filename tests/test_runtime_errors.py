@@ -92,6 +92,139 @@ def test_exception_mid_forward_leaves_no_handles_and_no_memory():
     assert membudget.memory_stats()["allocated_bytes.all.current"] == before
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 1024)
+        self.b = nn.Linear(1024, 256)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class _CompiledThenEager(nn.Module):
+    """A compiled block whose output eager code reads (the recorders hold
+    such an output: no recorded op made it), then eager layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()  # (Dynamo compiles no nn.Sequential as a whole: torch's own frames are skipped)
+        self.block.compile(backend="aot_eager")
+        self.tail = nn.Sequential(nn.LayerNorm(256), nn.Tanh(), nn.Linear(256, 256))
+
+    def forward(self, x):
+        return self.tail(self.block(x))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_that_raises_after_a_compiled_region_leaves_no_memory(lineage_recorder, where):
+    # Note [Held without their graph]: the recorders held the compiled
+    # block's output, and with it its grad_fn and the graph behind it. Once
+    # the step raised, that graph was nobody else's, yet its saved
+    # activations stayed live entries and the recorder never let go: a
+    # per-block aot_eager model kept 28 MB of a 31 MB budget allocated after
+    # every failed step, and retries ran out of memory.
+    import torch._dynamo
+    import weakref
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(_CompiledThenEager(), _CompiledThenEager())
+    x = torch.randn(512, 256)
+    # The block's 512 KiB output is below min_tensor_bytes: held as a tensor,
+    # not through an entry (Note [Held inputs reached through their entry]).
+    membudget.install(budget=256 * MiB, min_tensor_bytes=MiB, actions="both")
+
+    class Boom(RuntimeError):
+        pass
+
+    outputs = []
+    model[1].block.register_forward_hook(lambda m, i, out: outputs.append(weakref.ref(out)))
+    failing = [False]
+
+    def fail_in_forward(module, inputs, out):
+        if failing[0] and where == "forward":
+            raise Boom("failure in the middle of forward")
+
+    model[1].tail[1].register_forward_hook(fail_in_forward)
+
+    def fail_in_backward(grad):
+        raise Boom("failure in backward")
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        h = model(x)
+        if failing[0] and where == "backward":
+            h.register_hook(fail_in_backward)
+        h.square().mean().backward()
+        optimizer.step()  # the recorder lets go of the step here (Note [Lineage released between steps])
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    step()  # compiled, and the lineage of the first step released
+    gc.collect()
+    native = load_extension()
+    before = membudget.memory_stats()["allocated_bytes.all.current"]
+    handles_before = native.live_handles()
+    failing[0] = True
+    outputs.clear()
+    with pytest.raises(Boom):
+        step()
+    gc.collect()
+    assert outputs and outputs[0]() is None  # the compiled block's output, and its graph, are gone
+    assert native.live_handles() == handles_before
+    # What the recorder holds of that forward (the blocks' outputs, without
+    # their graph) goes when the next forward begins: the retry fits as the
+    # first steps did and leaves what they left.
+    failing[0] = False
+    step()
+    gc.collect()
+    assert native.live_handles() == handles_before
+    assert membudget.memory_stats()["allocated_bytes.all.current"] == before
+
+
+def test_retries_after_out_of_memory_do_not_pile_up_held_inputs(lineage_recorder):
+    # Note [A forward that ran out of memory]: a forward began only once
+    # backward had run, so a batch-size finder's retries were recorded as
+    # one forward, and the recorder held every failed attempt's batch.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())
+    membudget.install(budget=64 * MiB, min_tensor_bytes=64 * 1024, actions="both")
+    too_big = [True]
+
+    def out_of_memory_while_too_big(module, inputs, out):
+        if too_big[0]:
+            torch.empty(128 * MiB, dtype=torch.uint8)  # a real out-of-memory error from the allocator
+
+    model[2].register_forward_hook(out_of_memory_while_too_big)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def attempt(batch):
+        x = torch.randn(batch, 256)  # a new batch each time, as a finder makes
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    too_big[0] = False
+    attempt(512)
+    gc.collect()
+    before = membudget.memory_stats()["allocated_bytes.all.current"]
+    too_big[0] = True
+    held = []
+    for batch in (4096, 2048, 1024):
+        with pytest.raises(torch.OutOfMemoryError):
+            attempt(batch)
+        gc.collect()
+        held.append(membudget.memory_stats()["allocated_bytes.all.current"] - before)
+    # Each failed attempt leaves at most its own batch held until the next begins.
+    assert held == sorted(held, reverse=True) and held[-1] <= 1024 * 256 * 4, held
+    too_big[0] = False
+    attempt(512)
+    gc.collect()
+    assert membudget.memory_stats()["allocated_bytes.all.current"] == before
+
+
 def test_host_tier_full_is_named_in_the_error():
     # The device budget forces eviction, and the host tier cannot take it
     # (swap only: with recomputation allowed the director would drop instead).

@@ -82,6 +82,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <iterator>
 #include <optional>
@@ -99,6 +100,26 @@ namespace lineage {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Note [A forward that ran out of memory]: a forward begins at the first
+// op recorded after backward began (RecorderState::in_backward); that is
+// when the last forward's held inputs are let go. A forward that ran out of
+// memory never reaches backward, so a batch-size finder's retry was
+// recorded as more of the same forward: every failed attempt's held inputs
+// (its batch, a compiled block's outputs) stayed allocated through the
+// retries, 2 MB more after each (a per-block compiled model, either
+// recorder). An out-of-memory error ends the forward instead: the next
+// recorded op begins one. Training code that catches the error and goes on
+// with the same forward (rare) only splits it in two, which lets go of the
+// map of held inputs (they stay held by the nodes that read them) and
+// releases in-place writers one forward sooner (Note [Rescued before a sweep]
+// makes what needed them resident). Other exceptions are not seen: their
+// held inputs go at the next backward's forward, one forward later.
+std::atomic<bool> g_out_of_memory{false};
+
+bool take_out_of_memory_flag() {
+  return g_out_of_memory.load(std::memory_order_relaxed) && g_out_of_memory.exchange(false);
+}
 
 // Forwards whose writer nodes are kept (Note [Lineage ownership]): this one
 // and the previous, whose saved tensors backward may still hold.
@@ -154,6 +175,9 @@ bool all_plain(c10::ArrayRef<const c10::IValue> inputs) {
 }
 
 }  // namespace
+
+void note_out_of_memory() { g_out_of_memory.store(true); }
+bool take_out_of_memory() { return take_out_of_memory_flag(); }
 
 uintptr_t storage_address(const at::Tensor& t) {
   if (!t.has_storage()) return 0;
@@ -391,7 +415,7 @@ bool history_released(const RecorderState& s, const StorageLineage& lineage) {
 void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry, Deferred* deferred) {
   if (!held.tensor.defined() || held.tensor.is_inference()) return;
   held.version = torch::autograd::impl::version_counter(held.tensor);
-  held.impl.emplace(held.tensor.getIntrusivePtr());
+  if (!held.impl.has_value()) held.impl.emplace(held.tensor.getIntrusivePtr());  // else held without its graph
   held.entry = std::move(entry);
   if (deferred != nullptr) {
     // The last reference to a tensor with a Python object takes the GIL when
@@ -399,6 +423,26 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
     deferred->released.push_back(std::make_shared<at::Tensor>(std::move(held.tensor)));
   }
   held.tensor = at::Tensor();
+}
+
+// Note [Held without their graph]: an External held the tensor itself, and
+// a tensor an autograd op made (a compiled region's output, read by eager
+// code) holds its grad_fn, and through it every node and saved activation
+// of the forward up to it. When that forward raised (an out-of-memory error,
+// a shape error in the loss), nothing else was left to free that graph: its
+// saved activations stayed live entries, so the recorder never let go
+// (Note [Lineage released between steps]), and the failed step's memory
+// stayed allocated across the retries a batch-size finder makes (a per-block
+// aot_eager model: 28 MB of a 31 MB budget, after every failed step, with
+// either recorder). A replay reads only the data: such a tensor is held as
+// tensor_data(), the same storage, geometry and version counter without its
+// autograd metadata (detach() would dispatch, inside the op being recorded),
+// and the original TensorImpl weakly, so that its address, the key of
+// RecorderState::externals, is not reused while the External is mapped.
+at::Tensor held_without_graph(const at::Tensor& tensor, External* held) {
+  if (!tensor.defined() || tensor.grad_fn() == nullptr) return tensor;
+  if (held != nullptr) held->impl.emplace(tensor.getIntrusivePtr());
+  return tensor.tensor_data();
 }
 
 int64_t external_version(const External& held) {
@@ -438,7 +482,7 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
   if (held == nullptr) {
     held = std::make_shared<External>();
-    held->tensor = tensor;
+    held->tensor = held_without_graph(tensor, held.get());  // Note [Held without their graph]
     held->key = storage_address(tensor);
     s.held_storages.insert(held->key);
     if (tensor.has_storage() && !scratch) {
@@ -615,7 +659,7 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   Deferred deferred;  // Note [Recorder lock and the GIL]
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    if (s.in_backward) begin_forward(s, deferred);
+    if (take_out_of_memory_flag() || s.in_backward) begin_forward(s, deferred);  // Note [A forward that ran out of memory]
     ++s.op_index;
     ++s.ops_recorded;
     if (info->kind == OpKind::kView) {
@@ -888,6 +932,12 @@ void bind_lineage(pybind11::module_& m) {
     }
     return out;
   }, "(sizes, storage bytes) of each input this forward holds (tests and debugging).");
+  sub.def("take_out_of_memory", &take_out_of_memory,
+          "Whether an out-of-memory error was raised to torch since the last call: the Python recorder then "
+          "begins a forward at its next op (Note [A forward that ran out of memory]).");
+  sub.def("held_without_graph", [](const at::Tensor& tensor) { return held_without_graph(tensor, nullptr); },
+          py::arg("tensor"), "What the Python recorder holds of an input no recorded op made: the tensor, or its "
+          "data and version counter without the graph when an autograd op made it (Note [Held without their graph]).");
   sub.def("ops_recorded", [] {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
@@ -911,7 +961,8 @@ void bind_lineage(pybind11::module_& m) {
     {
       py::gil_scoped_release no_gil;
       std::lock_guard<std::recursive_mutex> lock(s.mutex);
-      if (!s.in_backward || !live_entry_ids().empty()) return false;
+      // Entries only the recorder holds ask for no replay (Note [Entries only lineage holds]).
+      if (!s.in_backward || any_entry_saved_for_backward()) return false;
       forget_unneeded(s, released);  // with no entry live: everything
       ++s.epoch;
     }

@@ -120,6 +120,9 @@ uintptr_t storage_address(const at::Tensor& t);
 void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry, Deferred* deferred);
 // A held input's version counter, whether held as a tensor or through its entry.
 int64_t external_version(const External& held);
+// `tensor` without its autograd metadata when it has a grad_fn, `held`
+// keeping its TensorImpl weakly (Note [Held without their graph]).
+at::Tensor held_without_graph(const at::Tensor& tensor, External* held);
 // Whether a writer in lineage's history was released (or is being: Note
 // [Rescued before a sweep]).
 bool history_released(const RecorderState& s, const StorageLineage& lineage);
@@ -155,6 +158,13 @@ class PauseRecording {
  private:
   bool previous_;
 };
+
+// An out-of-memory error was raised to torch: the forward being recorded,
+// if any, is over (Note [A forward that ran out of memory]). Lock-free: the
+// allocator calls it.
+void note_out_of_memory();
+// Whether one was raised since the last call (the Python recorder's check).
+bool take_out_of_memory();
 
 void bind_lineage(pybind11::module_& m);
 // lineage_replay.cpp's part of the bindings (on_pack, rebuild).

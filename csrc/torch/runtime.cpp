@@ -11,6 +11,7 @@
 #include "core/residency_manager.h"
 #include "torch/bindings.h"
 #include "torch/cpu_allocator.h"
+#include "torch/lineage_recorder.h"
 #include "torch/saved_activation.h"
 
 #include "torch/cuda_symbols.h"
@@ -223,6 +224,7 @@ void* allocate_device_for_torch(size_t bytes, Stream stream) {
   try {
     return runtime->device_allocator().allocate(bytes, stream);
   } catch (const OutOfMemory& oom) {
+    lineage::note_out_of_memory();  // Note [A forward that ran out of memory] (lineage_recorder.cpp)
     TORCH_CHECK_WITH(OutOfMemoryError, false, oom.what(), unmanaged_thread_note());
   }
 }

@@ -394,7 +394,18 @@ void check_unmodified(const c10::VariableVersion& counter, uint32_t saved, at::S
 
 }  // namespace
 
-SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view)
+// Note [Entries only lineage holds]: the recorders hold an input that is a
+// managed entry through the entry (Note [Held inputs reached through their
+// entry] in lineage_recorder.cpp), and the entry counted as live: once
+// backward had run, "no live entry" was never true while a compiled block's
+// saved output was held so, and the recorder kept the last forward's inputs
+// and those entries between steps (2 MB and 4 entries after every step of a
+// per-block compiled model, either recorder). Only an entry autograd holds
+// a handle on can be unpacked, and so ask for a replay: the release between
+// steps asks whether any such entry is left (Note [Lineage released between
+// steps] in lineage.py).
+SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view,
+                                 bool saved_for_backward)
     : residency_(std::move(residency)),
       sizes_(view.sizes().vec()),
       strides_(view.strides().vec()),
@@ -402,7 +413,40 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       dtype_(view.scalar_type()),
       device_(view.device()),
       version_counter_(version_counter_of(view)),
-      saved_version_(current_version(version_counter_)) {}
+      saved_version_(current_version(version_counter_)),
+      saved_for_backward_(saved_for_backward) {
+  if (saved_for_backward_) residency_->count_saved_handle(1);
+}
+
+SavedActivation::SavedActivation(const SavedActivation& other)
+    : residency_(other.residency_),
+      sizes_(other.sizes_),
+      strides_(other.strides_),
+      storage_offset_(other.storage_offset_),
+      dtype_(other.dtype_),
+      device_(other.device_),
+      version_counter_(other.version_counter_),
+      saved_version_(other.saved_version_),
+      saved_for_backward_(other.saved_for_backward_) {
+  if (saved_for_backward_) residency_->count_saved_handle(1);
+}
+
+SavedActivation::SavedActivation(SavedActivation&& other) noexcept
+    : residency_(other.residency_),  // copied: the moved-from handle still uncounts itself
+      sizes_(std::move(other.sizes_)),
+      strides_(std::move(other.strides_)),
+      storage_offset_(other.storage_offset_),
+      dtype_(other.dtype_),
+      device_(other.device_),
+      version_counter_(other.version_counter_),
+      saved_version_(other.saved_version_),
+      saved_for_backward_(other.saved_for_backward_) {
+  if (saved_for_backward_) residency_->count_saved_handle(1);
+}
+
+SavedActivation::~SavedActivation() {
+  if (saved_for_backward_) residency_->count_saved_handle(-1);
+}
 
 int64_t SavedActivation::current_tensor_version() const { return current_version(version_counter_); }
 
@@ -506,6 +550,21 @@ std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage) 
   return it == g_registry.end() ? nullptr : it->second.lock();
 }
 
+bool any_entry_saved_for_backward() {
+  // Released after the lock: the last reference runs ~StorageResidency, which takes it.
+  std::vector<std::shared_ptr<StorageResidency>> entries;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    for (const auto& item : g_by_id) {
+      if (std::shared_ptr<StorageResidency> entry = item.second.lock()) entries.push_back(std::move(entry));
+    }
+  }
+  for (const auto& entry : entries) {
+    if (entry->saved_for_backward()) return true;
+  }
+  return false;
+}
+
 std::vector<uint64_t> live_entry_ids() {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   std::vector<uint64_t> ids;
@@ -544,11 +603,13 @@ void bind_saved_activation(py::module_& m) {
   m.def("entry_storage", &entry_storage_tensor, py::arg("entry_id"),
         "The whole storage of a live entry, resident, as a 1-D uint8 tensor (None if not live)");
   m.def("live_entry_ids", &live_entry_ids, "ids of the live managed entries");
+  m.def("any_entry_saved_for_backward", &any_entry_saved_for_backward,
+        "Whether a live entry has a handle autograd holds (Note [Entries only lineage holds])");
   m.def("entry_handle", [](const at::Tensor& tensor) -> py::object {
     if (!tensor.has_storage() || tensor.is_inference()) return py::none();
     std::shared_ptr<StorageResidency> entry = entry_of_storage(tensor.storage());
     if (entry == nullptr) return py::none();
-    return py::cast(SavedActivation(std::move(entry), tensor));
+    return py::cast(SavedActivation(std::move(entry), tensor, /*saved_for_backward=*/false));
   }, py::arg("tensor"),
         "A handle on the live managed entry holding tensor's storage, with tensor's geometry and version "
         "counter, or None (Note [Held inputs reached through their entry] in lineage_recorder.cpp)");

@@ -10,6 +10,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <atomic>
 #include <memory>
 
 #include "core/residency_entry.h"
@@ -31,15 +32,26 @@ class StorageResidency final : public ResidencyEntry {
   // Takes a replayed storage as the new device copy (Note [Recompute]);
   // throws if its size, device or allocator do not match.
   void adopt_recomputed(c10::Storage storage);
+  // Handles autograd holds on it (Note [Entries only lineage holds]).
+  bool saved_for_backward() const { return saved_handles_.load() > 0; }
+  void count_saved_handle(int delta) { saved_handles_.fetch_add(delta); }
 
  private:
   c10::Storage storage_;
   c10::Device device_;
+  std::atomic<int32_t> saved_handles_{0};
 };
 
 class SavedActivation {
  public:
-  SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view);
+  // saved_for_backward: a handle autograd holds (pack), not one a lineage
+  // recorder holds to read the entry (Note [Entries only lineage holds]).
+  SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view, bool saved_for_backward = true);
+  SavedActivation(const SavedActivation& other);
+  SavedActivation(SavedActivation&& other) noexcept;
+  SavedActivation& operator=(const SavedActivation&) = delete;
+  SavedActivation& operator=(SavedActivation&&) = delete;
+  ~SavedActivation();
   // Materialises the storage (swap-in if needed) and rebuilds the view.
   at::Tensor unpack() const;
   size_t storage_bytes() const { return residency_->bytes(); }
@@ -60,6 +72,7 @@ class SavedActivation {
   // value when packed (Note [Saved versions checked]).
   c10::VariableVersion version_counter_;
   uint32_t saved_version_ = 0;
+  bool saved_for_backward_ = true;
 };
 
 // The pack hook: returns a SavedActivation for managed activations, and for
@@ -80,6 +93,8 @@ at::Tensor entry_storage(uint64_t entry_id);
 // The live managed entry whose storage is `storage`, or null (Note [Held
 // inputs reached through their entry] in lineage_recorder.cpp).
 std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage);
+// Whether any live entry has a handle autograd holds (Note [Entries only lineage holds]).
+bool any_entry_saved_for_backward();
 // Ids of the live managed entries.
 std::vector<uint64_t> live_entry_ids();
 // Declares whether and at what cost an entry can be replayed, and which

@@ -445,8 +445,9 @@ def uninstall() -> None:
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
             _pop_hooks()
             _hooks_thread = None
-            if not native.live_entry_ids():
-                # Only a live entry can still need a replay. Kept, the callback
+            if not native.any_entry_saved_for_backward():
+                # Only an entry autograd holds can still need a replay (Note
+                # [Entries only lineage holds] in saved_activation.cpp). Kept, the callback
                 # held the Python recorder's lineage, and through it the model
                 # of a step that raised (out of memory) before its optimizer
                 # step let go of it: 2 MiB stayed allocated after uninstall(),

@@ -122,14 +122,22 @@ class ExternalLineage:
     csrc/torch/lineage_recorder.cpp): ``tensor`` is then None, ``handle``
     reads the tensor's version counter and keeps the entry alive, and
     ``weak`` tells whether the id keying :attr:`Lineage.externals` is still
-    this tensor's."""
+    this tensor's. A tensor an autograd op made is held without its graph
+    (``tensor`` is then its data under the same version counter, ``weak``
+    the tensor: Note [Held without their graph] in
+    csrc/torch/lineage_recorder.cpp), so that a forward that raised leaves
+    nothing allocated."""
 
     __slots__ = ("tensor", "key", "handle", "weak", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, without_graph=None):
         self.handle = None
-        self.weak = None
+        if without_graph is not None and tensor.grad_fn is not None:
+            self.tensor = without_graph(tensor)
+            self.weak = weakref.ref(tensor)
+        else:
+            self.tensor = tensor
+            self.weak = None
         # Its storage address when first read in this forward (externals are
         # renewed every forward): what replay.rescue_dependents_of matches
         # writes against, computed once instead of at every pack that reads it.
@@ -137,7 +145,8 @@ class ExternalLineage:
 
     def hold_through(self, handle) -> None:
         """Holds ``handle``'s entry instead of the tensor (see the class)."""
-        self.weak = weakref.ref(self.tensor)
+        if self.weak is None:
+            self.weak = weakref.ref(self.tensor)
         self.handle = handle
         self.tensor = None
 
@@ -148,7 +157,7 @@ class ExternalLineage:
 
     def held(self) -> Optional[torch.Tensor]:
         """The tensor, while held or alive; None once released or dead."""
-        return self.tensor if self.handle is None else self.weak()
+        return self.tensor if self.weak is None else self.weak()
 
     def version(self) -> int:
         """The tensor's version counter now."""
@@ -321,6 +330,11 @@ class Lineage:
 
     def __init__(self, native, plan=None, device_model=None):
         self.native = native
+        # Note [Held without their graph] (csrc/torch/lineage_recorder.cpp).
+        self._without_graph = native.lineage.held_without_graph if native is not None else None
+        # Note [A forward that ran out of memory] (there too): True once after
+        # an out-of-memory error (bool() is False).
+        self.took_out_of_memory = native.lineage.take_out_of_memory if native is not None else bool
         self.plan = plan
         # For CUDA: a costs.DeviceModel whose roofline stands in for kernel
         # time (the CPU timer only sees launches; event sampling is not built).
@@ -362,10 +376,12 @@ class Lineage:
         tensors made before are read as held inputs from then on. Called at
         every optimizer step (``_runtime.py``). True when it released."""
         global _generation
-        if not self.in_backward or self.native.live_entry_ids():
+        # Entries only the recorder holds ask for no replay (Note [Entries
+        # only lineage holds] in csrc/torch/saved_activation.cpp).
+        if not self.in_backward or self.native.any_entry_saved_for_backward():
             return False
         for held in self.externals.values():
-            held.tensor = held.handle = None
+            held.tensor = held.handle = held.weak = None
         self.externals = {}
         self.by_entry = {}
         _generation += 1
@@ -394,7 +410,7 @@ class Lineage:
             delattr(tensor, _ATTR)
         held = self.externals.get(id(tensor))
         if held is None or held.held() is not tensor:
-            held = self.externals[id(tensor)] = ExternalLineage(tensor)
+            held = self.externals[id(tensor)] = ExternalLineage(tensor, self._without_graph)
             if not scratch and self.native is not None and tensor.layout is torch.strided:
                 handle = self.native.entry_handle(tensor)  # packed before this read
                 if handle is not None:
@@ -431,7 +447,7 @@ class Lineage:
     def before(self, func, info: _FuncInfo, args, kwargs) -> OpNode:
         """Builds the node from the arguments as they are before the op runs
         (versions must predate its own writes)."""
-        if self.in_backward:
+        if self.in_backward or self.took_out_of_memory():
             self._begin_forward()
         refs: List[TensorRef] = []
         tensor_args = info.tensor_args
@@ -613,8 +629,13 @@ class Lineage:
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
             held = self.externals.get(id(tensor))
-            if held is not None and held.tensor is tensor and held.handle is None:
-                held.hold_through(handle)  # read before this pack
+            if held is not None and held.handle is None and held.held() is tensor:
+                # Read before this pack. A handle of its own: autograd's
+                # would count as saved for backward (Note [Entries only
+                # lineage holds] in csrc/torch/saved_activation.cpp).
+                own = self.native.entry_handle(tensor)
+                if own is not None:
+                    held.hold_through(own)
             return
         declared = self.by_entry.get(handle.entry_id)
         if declared is not None and (lineage in self.ambiguous or declared in self.ambiguous):
@@ -755,7 +776,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
             return info.op(*args, **kwargs)
     lineage = self.lineage
     if info.view:
-        if lineage.in_backward:
+        if lineage.in_backward or lineage.took_out_of_memory():
             lineage._begin_forward()
         lineage.op_index += 1  # numbered all the same: plans count every forward op
         lineage.ops_recorded += 1
