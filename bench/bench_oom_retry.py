@@ -17,7 +17,7 @@ graph] and Note [A forward that ran out of memory] in
   each is tried alone in a fresh process (they should be equal).
 
     PYTHONPATH=python python bench/bench_oom_retry.py [--backend aot_eager|inductor]
-        [--recorders cxx,python] [--budget 24MiB] [--start 4096] [--actions both]
+        [--recorders cxx,python] [--budget 40MiB] [--start 8192] [--actions recompute]
 """
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="aot_eager", help="torch.compile backend of the blocks")
     parser.add_argument("--recorders", default="cxx,python")
-    parser.add_argument("--budget", default="24MiB")
-    parser.add_argument("--actions", default="both")
-    parser.add_argument("--start", type=int, default=4096, help="the finder's first batch (halved on each failure)")
+    parser.add_argument("--budget", default="40MiB")
+    parser.add_argument("--actions", default="recompute")
+    parser.add_argument("--start", type=int, default=8192, help="the finder's first batch (halved on each failure)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
