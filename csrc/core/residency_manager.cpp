@@ -677,7 +677,22 @@ std::string ResidencyManager::describe_evictable() const {
                      ", dropped for recompute " + format_bytes(s.dropped_bytes) +
                      ", host tier " + format_bytes(host_tier_.stats().reserved_current) + " of " +
                      format_bytes(host_tier_.budget());
-  if (s.host_tier_full > 0) text += "; the host tier is full (raise MEMBUDGET_HOST_BUDGET)";
+  if (s.host_tier_full > 0) {
+    // "host tier 0 B of 1.00 MiB; the host tier is full" read as a
+    // contradiction where every entry left was larger than the whole tier.
+    size_t smallest = std::numeric_limits<size_t>::max();
+    for (const ResidencyEntry* entry : entries_) {
+      if (is_evictable(entry) && entry->state_ == Residency::resident) smallest = std::min(smallest, entry->bytes());
+    }
+    const size_t reserved = host_tier_.stats().reserved_current;
+    const size_t room = host_tier_.budget() > reserved ? host_tier_.budget() - reserved : 0;
+    if (smallest != std::numeric_limits<size_t>::max() && smallest > room) {
+      text += "; the host tier cannot take what is left on the device: " + format_bytes(room) +
+              " free, the smallest entry " + format_bytes(smallest) + " (raise MEMBUDGET_HOST_BUDGET)";
+    } else {
+      text += "; the host tier is full (raise MEMBUDGET_HOST_BUDGET)";
+    }
+  }
   return text;
 }
 
