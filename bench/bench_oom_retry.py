@@ -39,19 +39,12 @@ def _model(backend: str):
     import torch
     from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(256, 1024)
-            self.b = nn.Linear(1024, 256)
-
-        def forward(self, x):
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+    from membudget.models import ResidualMLP
 
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
-        block = Block()
+        block = ResidualMLP(256, 1024)
         block.compile(backend=backend)
         layers += [block, nn.LayerNorm(256), nn.Tanh(), nn.Linear(256, 256)]
     return nn.Sequential(*layers)

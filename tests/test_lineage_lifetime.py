@@ -12,6 +12,7 @@ from torch import nn
 
 import membudget
 from membudget._native import load_extension
+from membudget.models import ResidualMLP
 
 from training import assert_identical, run_managed, run_plain
 
@@ -44,16 +45,6 @@ def test_deleting_the_model_after_training_frees_its_memory():
     assert len(history) == 3
 
 
-class _CompiledBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(256, 1024)
-        self.b = nn.Linear(1024, 256)
-
-    def forward(self, x):
-        return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-
 def test_compiled_outputs_held_through_their_entries_are_let_go_at_the_step():
     """Eager code reads each compiled block's output, a managed entry the
     recorders hold through the entry (Note [Held inputs reached through their
@@ -67,7 +58,7 @@ def test_compiled_outputs_held_through_their_entries_are_let_go_at_the_step():
     torch.manual_seed(0)
     layers = []
     for _ in range(4):
-        block = _CompiledBlock()
+        block = ResidualMLP(256, 1024)
         block.compile(backend="aot_eager")
         layers += [block, nn.LayerNorm(256), nn.Tanh()]
     model = nn.Sequential(*layers)

@@ -10,6 +10,7 @@ from torch import nn
 
 import membudget
 from membudget._native import load_extension
+from membudget.models import ResidualMLP
 
 pytestmark = pytest.mark.requires_native
 
@@ -92,23 +93,13 @@ def test_exception_mid_forward_leaves_no_handles_and_no_memory():
     assert membudget.memory_stats()["allocated_bytes.all.current"] == before
 
 
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(256, 1024)
-        self.b = nn.Linear(1024, 256)
-
-    def forward(self, x):
-        return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-
 class _CompiledThenEager(nn.Module):
     """A compiled block whose output eager code reads (the recorders hold
     such an output: no recorded op made it), then eager layers."""
 
     def __init__(self):
         super().__init__()
-        self.block = _Block()  # (Dynamo compiles no nn.Sequential as a whole: torch's own frames are skipped)
+        self.block = ResidualMLP(256, 1024)  # (Dynamo compiles no nn.Sequential as a whole: torch's own frames are skipped)
         self.block.compile(backend="aot_eager")
         self.tail = nn.Sequential(nn.LayerNorm(256), nn.Tanh(), nn.Linear(256, 256))
 

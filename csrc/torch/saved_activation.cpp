@@ -418,23 +418,11 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
   if (saved_for_backward_) residency_->count_saved_handle(1);
 }
 
+// Moves copy too (no move constructor): the moved-from handle still uncounts itself.
 SavedActivation::SavedActivation(const SavedActivation& other)
     : residency_(other.residency_),
       sizes_(other.sizes_),
       strides_(other.strides_),
-      storage_offset_(other.storage_offset_),
-      dtype_(other.dtype_),
-      device_(other.device_),
-      version_counter_(other.version_counter_),
-      saved_version_(other.saved_version_),
-      saved_for_backward_(other.saved_for_backward_) {
-  if (saved_for_backward_) residency_->count_saved_handle(1);
-}
-
-SavedActivation::SavedActivation(SavedActivation&& other) noexcept
-    : residency_(other.residency_),  // copied: the moved-from handle still uncounts itself
-      sizes_(std::move(other.sizes_)),
-      strides_(std::move(other.strides_)),
       storage_offset_(other.storage_offset_),
       dtype_(other.dtype_),
       device_(other.device_),

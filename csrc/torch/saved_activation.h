@@ -48,7 +48,6 @@ class SavedActivation {
   // recorder holds to read the entry (Note [Entries only lineage holds]).
   SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view, bool saved_for_backward = true);
   SavedActivation(const SavedActivation& other);
-  SavedActivation(SavedActivation&& other) noexcept;
   SavedActivation& operator=(const SavedActivation&) = delete;
   SavedActivation& operator=(SavedActivation&&) = delete;
   ~SavedActivation();

@@ -23,6 +23,7 @@ __all__ = [
     "DecoderBlock",
     "GPT",
     "ResidualBlock",
+    "ResidualMLP",
     "ResNet",
     "gpt",
     "cnn",
@@ -132,6 +133,21 @@ class ResidualBlock(nn.Module):
         y = F.relu(self.bn1(self.conv1(x)))
         y = self.bn2(self.conv2(y))
         return F.relu(y + self.shortcut(x))
+
+
+class ResidualMLP(nn.Module):
+    """``x + Linear(GELU(Linear(x)))``, widening ``width`` to ``hidden`` and
+    back: the unit the benchmarks and tests compile per block, with eager
+    code between the blocks reading their outputs."""
+
+    def __init__(self, width: int = 256, hidden: int = 1024):
+        super().__init__()
+        self.a = nn.Linear(width, hidden)
+        self.b = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` of shape (..., width)."""
+        return x + self.b(F.gelu(self.a(x)))
 
 
 class ResNet(nn.Module):
