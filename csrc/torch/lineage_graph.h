@@ -37,6 +37,7 @@ struct OpInfo {
   bool undefined_contents = false;    // an empty tensor (Note [Contents nobody recorded])
   bool copies_input = false;          // aten::clone (Note [Originals of in-place ops])
   std::vector<bool> scratch;          // per argument: batch norm's running stats
+  std::vector<bool> snapshot;         // per argument: read as it was before the op (Note [Arguments snapshotted before the op])
   std::vector<size_t> writes;         // positions of written non-scratch arguments
   size_t num_arguments = 0;
 };

@@ -23,6 +23,25 @@ const std::unordered_set<std::string>& not_recorded() {
 
 bool is_scratch_argument(const std::string& name) { return name == "running_mean" || name == "running_var"; }
 
+// Note [Arguments snapshotted before the op]: QAT's default fake quantizer
+// (FusedMovingAvgObsFakeQuantize, what get_default_qat_qconfig gives) runs
+// aten::_fused_moving_avg_obs_fq_helper, which updates its observer's
+// running min and max, scale and zero point in place, and computes its
+// output from the values it updated. Written arguments other than the
+// result made it a side effect, so everything after a fake quantizer was
+// swap-only: recompute-only ran out of memory at 75% of the peak where swap
+// fitted (4-12 MiB not recomputable, session 27's helper). Scratch copies of
+// the current values, as for batch norm's running statistics, would be
+// wrong here: the output depends on what they were before the op, and the
+// next step has moved them on. So the recorders copy these (small: a value,
+// or one per channel) as the op starts, and a replay runs on a scratch copy
+// of that snapshot: it rebuilds the same output and leaves the buffers
+// alone. lineage.py's _SNAPSHOT_ARGUMENTS is the same table.
+bool is_snapshot_argument(const std::string& op, const std::string& name) {
+  return op == "aten::_fused_moving_avg_obs_fq_helper" &&
+         (name == "running_min" || name == "running_max" || name == "scale" || name == "zero_point");
+}
+
 // Note [Contents nobody recorded]: an empty tensor's contents are whatever
 // writes it next. Written by recorded ops, they are its mutations and are
 // replayed after it; but a kernel that is not an operator (a pybind11
@@ -65,6 +84,7 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
   const bool aten = ns == "aten" || ns == "prims";
   info->num_arguments = schema.arguments().size();
   info->scratch.assign(info->num_arguments, false);
+  info->snapshot.assign(info->num_arguments, false);
   size_t unreplayable_writes = 0;
   bool any_write = false;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
@@ -73,10 +93,11 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
     // update their running statistics without declaring it (lineage.py's
     // _FuncInfo says what replays did to the real buffers).
     if (is_scratch_argument(arg.name())) info->scratch[i] = true;
+    if (is_snapshot_argument(qualified, arg.name())) info->scratch[i] = info->snapshot[i] = true;
     const c10::AliasInfo* alias = arg.alias_info();
     if (alias == nullptr || !alias->isWrite()) continue;
     any_write = true;
-    if (!is_scratch_argument(arg.name())) {
+    if (!info->scratch[i]) {
       info->writes.push_back(i);
       ++unreplayable_writes;
     }

@@ -495,6 +495,14 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
   return ref;
 }
 
+// What a snapshot argument was as the op starts (Note [Arguments
+// snapshotted before the op] in lineage_ops.cpp): a copy nothing records.
+at::Tensor snapshot_of(const at::Tensor& t) {
+  PauseRecording paused;
+  at::NoGradGuard no_grad;
+  return t.clone();
+}
+
 void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const c10::IValue> inputs, OpNode& node) {
   node.args.resize(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -509,7 +517,8 @@ void capture_arguments(RecorderState& s, const OpInfo& info, c10::ArrayRef<const
       }
       slot.kind = ArgSlot::kTensor;
       slot.refs.push_back(static_cast<int32_t>(node.refs.size()));
-      node.refs.push_back(make_ref(s, t, scratch));
+      const bool snapshot = i < info.snapshot.size() && info.snapshot[i];
+      node.refs.push_back(make_ref(s, snapshot ? snapshot_of(t) : t, scratch));
     } else if (value.isTensorList()) {
       slot.kind = ArgSlot::kTensorList;
       for (const at::Tensor& t : value.toTensorList().vec()) {

@@ -72,6 +72,14 @@ _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
 # statistics in training mode. A replay gives such an op scratch copies, so
 # the real buffers are not updated twice.
 _SCRATCH_ARGUMENTS = frozenset({"running_mean", "running_var"})
+# Mutated arguments read as they were when the op started: copied then, and
+# a replay runs on a scratch copy of that copy (Note [Arguments snapshotted
+# before the op] in csrc/torch/lineage_ops.cpp, whose table this is): QAT's
+# fused observer, whose output depends on the running statistics it updates.
+_SNAPSHOT_ARGUMENTS: Dict[str, frozenset] = {
+    "aten::_fused_moving_avg_obs_fq_helper": frozenset({"running_min", "running_max", "scale", "zero_point"}),
+}
+_SNAPSHOT = object()  # a tensor_args entry's third field for a snapshot argument
 # Ops that never need replaying and whose outputs are not tensors worth a node.
 _NOT_RECORDED = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"})
 # Ops whose output's contents are whatever writes it next: not replayable as
@@ -239,8 +247,9 @@ class _FuncInfo:
         arg_sets = {}
         self.writes: List[Tuple[int, str]] = []  # (position, name) of mutated arguments
         self.scratch = set()
+        snapshot = _SNAPSHOT_ARGUMENTS.get(schema.name, frozenset())
         for position, arg in enumerate(schema.arguments):
-            if arg.name in _SCRATCH_ARGUMENTS:
+            if arg.name in _SCRATCH_ARGUMENTS or arg.name in snapshot:
                 # Written or not by the schema: native_batch_norm (the CPU's)
                 # and cudnn_batch_norm update their running statistics without
                 # declaring it, and replays updated the real buffers again
@@ -274,7 +283,7 @@ class _FuncInfo:
                     target = wild[0] if len(wild) == 1 else None
             self.aliases.append(target)
         namespace = schema.name.split("::")[0]
-        unreplayable_writes = [name for _, name in self.writes if name not in _SCRATCH_ARGUMENTS]
+        unreplayable_writes = [name for _, name in self.writes if name not in self.scratch]
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         # A write to anything but the storage being rebuilt is a side effect;
         # those are replayed only on their own lineage (as mutations).
@@ -307,7 +316,8 @@ class _FuncInfo:
         self.tensor_args: Optional[Tuple[Tuple[int, bool, bool], ...]] = None
         if namespace in _REPLAYABLE_NAMESPACES:
             self.tensor_args = tuple(
-                (position, isinstance(arg.type, torch._C.ListType), arg.name in self.scratch)
+                (position, isinstance(arg.type, torch._C.ListType),
+                 _SNAPSHOT if arg.name in snapshot else arg.name in self.scratch)
                 for position, arg in enumerate(schema.arguments)
                 if not arg.kwarg_only and "Tensor" in str(arg.type))
 
@@ -465,7 +475,9 @@ class Lineage:
                         continue
                     value = self._template(value, refs)
                 elif isinstance(value, _PLAIN_TENSOR):
-                    value = ref(value, scratch)
+                    # A snapshot is copied as the op starts (below the mode:
+                    # not recorded) and held as a scratch input.
+                    value = ref(value.clone(), True) if scratch is _SNAPSHOT else ref(value, scratch)
                     refs.append(value)
                 else:
                     continue
