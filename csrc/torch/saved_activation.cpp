@@ -1,5 +1,6 @@
 #include "torch/saved_activation.h"
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <unordered_map>
@@ -403,7 +404,11 @@ void check_unmodified(const c10::VariableVersion& counter, uint32_t saved, at::S
 // per-block compiled model, either recorder). Only an entry autograd holds
 // a handle on can be unpacked, and so ask for a replay: the release between
 // steps asks whether any such entry is left (Note [Lineage released between
-// steps] in lineage.py).
+// steps] in lineage.py): whether any handle saved for backward is alive, as
+// such a handle keeps its entry alive. A count, so that the question takes
+// no lock and releases no entry.
+static std::atomic<int64_t> g_saved_for_backward{0};
+
 SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view,
                                  bool saved_for_backward)
     : residency_(std::move(residency)),
@@ -415,7 +420,7 @@ SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, co
       version_counter_(version_counter_of(view)),
       saved_version_(current_version(version_counter_)),
       saved_for_backward_(saved_for_backward) {
-  if (saved_for_backward_) residency_->count_saved_handle(1);
+  if (saved_for_backward_) g_saved_for_backward.fetch_add(1);
 }
 
 // Moves copy too (no move constructor): the moved-from handle still uncounts itself.
@@ -429,11 +434,11 @@ SavedActivation::SavedActivation(const SavedActivation& other)
       version_counter_(other.version_counter_),
       saved_version_(other.saved_version_),
       saved_for_backward_(other.saved_for_backward_) {
-  if (saved_for_backward_) residency_->count_saved_handle(1);
+  if (saved_for_backward_) g_saved_for_backward.fetch_add(1);
 }
 
 SavedActivation::~SavedActivation() {
-  if (saved_for_backward_) residency_->count_saved_handle(-1);
+  if (saved_for_backward_) g_saved_for_backward.fetch_sub(1);
 }
 
 int64_t SavedActivation::current_tensor_version() const { return current_version(version_counter_); }
@@ -538,20 +543,7 @@ std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage) 
   return it == g_registry.end() ? nullptr : it->second.lock();
 }
 
-bool any_entry_saved_for_backward() {
-  // Released after the lock: the last reference runs ~StorageResidency, which takes it.
-  std::vector<std::shared_ptr<StorageResidency>> entries;
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    for (const auto& item : g_by_id) {
-      if (std::shared_ptr<StorageResidency> entry = item.second.lock()) entries.push_back(std::move(entry));
-    }
-  }
-  for (const auto& entry : entries) {
-    if (entry->saved_for_backward()) return true;
-  }
-  return false;
-}
+bool any_entry_saved_for_backward() { return g_saved_for_backward.load() > 0; }
 
 std::vector<uint64_t> live_entry_ids() {
   std::lock_guard<std::mutex> lock(g_registry_mutex);

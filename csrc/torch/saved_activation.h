@@ -10,7 +10,6 @@
 #pragma once
 #include <torch/extension.h>
 
-#include <atomic>
 #include <memory>
 
 #include "core/residency_entry.h"
@@ -32,14 +31,10 @@ class StorageResidency final : public ResidencyEntry {
   // Takes a replayed storage as the new device copy (Note [Recompute]);
   // throws if its size, device or allocator do not match.
   void adopt_recomputed(c10::Storage storage);
-  // Handles autograd holds on it (Note [Entries only lineage holds]).
-  bool saved_for_backward() const { return saved_handles_.load() > 0; }
-  void count_saved_handle(int delta) { saved_handles_.fetch_add(delta); }
 
  private:
   c10::Storage storage_;
   c10::Device device_;
-  std::atomic<int32_t> saved_handles_{0};
 };
 
 class SavedActivation {
