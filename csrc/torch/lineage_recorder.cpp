@@ -117,10 +117,6 @@ using Clock = std::chrono::steady_clock;
 // held inputs go at the next backward's forward, one forward later.
 std::atomic<bool> g_out_of_memory{false};
 
-bool take_out_of_memory_flag() {
-  return g_out_of_memory.load(std::memory_order_relaxed) && g_out_of_memory.exchange(false);
-}
-
 // Forwards whose writer nodes are kept (Note [Lineage ownership]): this one
 // and the previous, whose saved tensors backward may still hold.
 constexpr int64_t kForwardsKept = 2;
@@ -177,7 +173,9 @@ bool all_plain(c10::ArrayRef<const c10::IValue> inputs) {
 }  // namespace
 
 void note_out_of_memory() { g_out_of_memory.store(true); }
-bool take_out_of_memory() { return take_out_of_memory_flag(); }
+bool take_out_of_memory() {
+  return g_out_of_memory.load(std::memory_order_relaxed) && g_out_of_memory.exchange(false);
+}
 
 uintptr_t storage_address(const at::Tensor& t) {
   if (!t.has_storage()) return 0;
@@ -668,7 +666,7 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   Deferred deferred;  // Note [Recorder lock and the GIL]
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    if (take_out_of_memory_flag() || s.in_backward) begin_forward(s, deferred);  // Note [A forward that ran out of memory]
+    if (take_out_of_memory() || s.in_backward) begin_forward(s, deferred);  // Note [A forward that ran out of memory]
     ++s.op_index;
     ++s.ops_recorded;
     if (info->kind == OpKind::kView) {

@@ -163,7 +163,7 @@ class PauseRecording {
 // if any, is over (Note [A forward that ran out of memory]). Lock-free: the
 // allocator calls it.
 void note_out_of_memory();
-// Whether one was raised since the last call (the Python recorder's check).
+// Whether one was raised since the last call (each recorder asks before an op).
 bool take_out_of_memory();
 
 void bind_lineage(pybind11::module_& m);
