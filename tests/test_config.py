@@ -303,7 +303,7 @@ def test_env_table_mentions_every_variable():
     names = {"MEMBUDGET_BUDGET", "MEMBUDGET_HOST_BUDGET", "MEMBUDGET_POLICY", "MEMBUDGET_ACTIONS",
              "MEMBUDGET_MIN_TENSOR_BYTES", "MEMBUDGET_PREFETCH_BYTES", "MEMBUDGET_HIGH_WATERMARK",
              "MEMBUDGET_LOG", "MEMBUDGET_EXPANDABLE_SEGMENTS", "MEMBUDGET_RECOMPUTE_AHEAD",
-             "MEMBUDGET_LINEAGE", "MEMBUDGET_CHECKPOINT"}
+             "MEMBUDGET_LINEAGE", "MEMBUDGET_CHECKPOINT", "MEMBUDGET_COMPILE"}
     assert {variable.name for variable in VARIABLES} == names
     for name in names:
         assert f"`{name}`" in table

@@ -11,6 +11,7 @@ replays it under budgets on a modelled device, ``membudget.optimal`` is the floo
 See DESIGN.md for the architecture and docs/configuration.md for every variable.
 """
 from ._runtime import install, is_installed, uninstall
+from ._compiled_under_budget import compiled_plans
 from .config import Config, ConfigError
 from .stats import MemoryStats, memory_stats, reset_counters, reset_peak_stats, stats
 from .planner import Plan, compile_backend, plan
@@ -39,6 +40,7 @@ __all__ = [
     "plan",
     "Plan",
     "compile_backend",
+    "compiled_plans",
     "trace",
     "Trace",
     "TraceOp",

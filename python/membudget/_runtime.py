@@ -53,7 +53,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from . import _checkpoint_regions, _func_transforms
+from . import _checkpoint_regions, _compiled_under_budget, _func_transforms
 from .config import Config, resolve_lineage, resolve_recompute_ahead
 from ._native import load_extension
 
@@ -105,6 +105,7 @@ def install(
     recompute_ahead: Optional[Union[str, bool]] = None,
     lineage: Optional[str] = None,
     checkpoint: Optional[str] = None,
+    compile: Optional[str] = None,
     device: Optional[Union[str, torch.device]] = None,
     plan=None,
 ) -> Config:
@@ -142,6 +143,16 @@ def install(
     regions under a budget] in ``_checkpoint_regions.py``); the results are
     the same.
 
+    ``compile`` (``"plan"``, the default, or ``"off"``; default
+    ``MEMBUDGET_COMPILE``): with ``"plan"`` and a budget, each graph that
+    ``torch.compile`` hands to inductor from here on is split into forward
+    and backward by the Echo planner under what the budget leaves it (Note
+    [Compiled graphs planned under the budget] in
+    ``_compiled_under_budget.py``; torch 2.9 or newer). A graph's plan is
+    fixed when it is compiled: after changing the budget, recompile
+    (``torch._dynamo.reset()``). :func:`membudget.compiled_plans` lists what
+    was planned.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -160,6 +171,7 @@ def install(
         recompute_ahead=recompute_ahead,
         lineage=lineage,
         checkpoint=checkpoint,
+        compile=compile,
     )
     native = load_extension()
     target = _choose_device(device)
@@ -197,7 +209,17 @@ def install(
             _checkpoint_regions.replace_regions()
         else:
             _checkpoint_regions.keep_regions()
+        if budget_bytes > 0 and config.compile == "plan":
+            _compiled_under_budget.plan_compiles(budget_bytes, target, _cost_model_name(target),
+                                                 log="decisions" in config.log)
+        else:
+            _compiled_under_budget.leave_compiles(forget_plans=True)
     return config
+
+
+def _cost_model_name(device: torch.device) -> str:
+    """The cost model the planner prices recomputation with on ``device``."""
+    return _cuda_device_model(device).name if device.type == "cuda" else "cpu-host"
 
 
 def _cuda_device_model(device: torch.device):
@@ -454,6 +476,7 @@ def uninstall() -> None:
                 # and the next run in the process started with them.
                 native.set_recompute_callback(None)
         _checkpoint_regions.keep_regions()
+        _compiled_under_budget.leave_compiles()
         _func_transforms.restore()
         native.uninstall_runtime()
 

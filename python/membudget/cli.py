@@ -38,6 +38,8 @@ _RUN_SETTINGS: Tuple[Tuple[str, str, str], ...] = (
      "auto (default), 1 or 0: replay dropped activations ahead of use within the prefetch window"),
     ("--checkpoint", "MEMBUDGET_CHECKPOINT",
      "replace (default): run torch.utils.checkpoint regions as plain code under a budget; keep"),
+    ("--compile", "MEMBUDGET_COMPILE",
+     "plan (default): split torch.compile'd graphs into forward and backward under the budget; off"),
 )
 _VALUE_FLAGS = frozenset(flag for flag, _, _ in _RUN_SETTINGS)
 

@@ -89,6 +89,17 @@ Variables
     leaves every checkpoint as PyTorch runs it (docs/recompute.md,
     "Gradient checkpointing under a budget").
 
+``MEMBUDGET_COMPILE``
+    ``plan`` (default) or ``off``. With ``plan``, while a budget is set,
+    every graph ``torch.compile`` hands to inductor is split into forward and
+    backward by the Echo planner against what the budget leaves that graph
+    (what else is allocated and cannot be evicted, and the state the live
+    optimizers will create), recomputing in backward instead of saving where
+    the graph's own activations would not fit; graphs that fit are split as
+    before. Needs torch 2.9 or newer (inductor's ``custom_partitioner_fn``);
+    a partitioner the user set there is kept. ``off`` leaves inductor's own
+    partitioner (docs/planner.md, "Compiled graphs under the budget").
+
 ``MEMBUDGET_BUILD_DIR``, ``MEMBUDGET_BUILD_JOBS`` and ``MEMBUDGET_WITH_CUDA``
 are build-time variables read by ``setup.py`` (which cannot import this
 package); they are listed in :data:`BUILD_VARIABLES` only so that they are not
@@ -136,6 +147,7 @@ ACTIONS: Tuple[str, ...] = ("swap", "recompute", "both")
 LOG_CHANNELS: Tuple[str, ...] = ("decisions", "evictions", "prefetch", "summary")
 RECORDERS: Tuple[str, ...] = ("auto", "python", "cxx")
 CHECKPOINT_MODES: Tuple[str, ...] = ("replace", "keep")
+COMPILE_MODES: Tuple[str, ...] = ("plan", "off")
 BUILD_VARIABLES: Tuple[str, ...] = (
     "MEMBUDGET_BUILD_DIR",
     "MEMBUDGET_BUILD_JOBS",
@@ -407,6 +419,13 @@ def _parse_checkpoint(value: str, label: str) -> str:
     return mode
 
 
+def _parse_compile(value: str, label: str) -> str:
+    mode = str(value).strip().lower()
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"{label}={value!r} is not a compile mode: use {' or '.join(COMPILE_MODES)}")
+    return mode
+
+
 def _parse_log(value: Union[str, Iterable[str]], label: str) -> FrozenSet[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     channels = {str(item).strip().lower() for item in items} - {""}
@@ -516,6 +535,14 @@ VARIABLES: Tuple[Variable, ...] = (
         "`keep`: checkpoints run as PyTorch does them.",
         _parse_checkpoint,
     ),
+    Variable(
+        "MEMBUDGET_COMPILE", "compile", "plan",
+        "`plan`, `off`",
+        "`plan`: while a budget is set, each graph `torch.compile` hands to inductor (torch >= 2.9) is split "
+        "into forward and backward by the Echo planner under what the budget leaves it, recomputing where its "
+        "activations would not fit; `off`: inductor's own partitioner.",
+        _parse_compile,
+    ),
 )
 _BY_NAME: Dict[str, Variable] = {variable.name: variable for variable in VARIABLES}
 _BY_FIELD: Dict[str, Variable] = {variable.field: variable for variable in VARIABLES}
@@ -568,6 +595,7 @@ class Config:
     expandable_segments: bool = True
     recompute_ahead: str = "auto"
     checkpoint: str = "replace"
+    compile: str = "plan"
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: object) -> "Config":
@@ -576,7 +604,7 @@ class Config:
         Override keywords are the field names (``budget``, ``host_budget_bytes``
         or ``host_budget``, ``policy``, ``actions``, ``lineage``, ``min_tensor_bytes``,
         ``prefetch_bytes``, ``high_watermark``, ``log``,
-        ``expandable_segments``, ``recompute_ahead``, ``checkpoint``) and take the same
+        ``expandable_segments``, ``recompute_ahead``, ``checkpoint``, ``compile``) and take the same
         strings as the variables, or ints / floats / channel iterables. Unknown
         ``MEMBUDGET_*`` variables draw a warning; a bad value raises
         :class:`ConfigError` naming the variable (or keyword) and the value."""
@@ -656,6 +684,8 @@ def describe(config: Config) -> str:
         ("checkpoint regions", "replaced by plain forward code while a budget is set"
          if config.checkpoint == "replace" else "kept (torch.utils.checkpoint as PyTorch runs it)",
          "MEMBUDGET_CHECKPOINT"),
+        ("compiled graphs", "planned under the budget (torch >= 2.9, inductor)" if config.compile == "plan"
+         else "inductor's own partitioner", "MEMBUDGET_COMPILE"),
     ]
     width = max(len(label) for label, _, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}  [{name}]" for label, value, name in rows)

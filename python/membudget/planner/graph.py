@@ -102,7 +102,7 @@ def is_random_op_name(name: str) -> bool:
 
 def _base_name(name: str) -> str:
     parts = name.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    return parts[1] if parts[0] in ("aten", "prims") and len(parts) > 1 else parts[0]
 
 
 def _is_random_target(target: Any) -> bool:

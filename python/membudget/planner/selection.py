@@ -117,12 +117,14 @@ def _apply(model: MemoryModel, profile: Profile, move: Sequence[int]) -> Profile
     return profile
 
 
-def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None) -> List[int]:
+def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None,
+           start: Sequence[int] = ()) -> List[int]:
     """Echo's greedy: benefit (memory above budget removed) per second of
     recompute, all remaining candidates re-evaluated each round (alone, and
-    with the unstashed ops feeding them), then pruned."""
-    remaining = list(candidates if candidates is not None else _candidates(model))
-    chosen: List[int] = []
+    with the unstashed ops feeding them), then pruned. ``start``: ops
+    recomputed from the outset, kept through the pruning."""
+    chosen: List[int] = list(start)
+    remaining = [o for o in (candidates if candidates is not None else _candidates(model)) if o not in chosen]
     current = model.profile(chosen)
     while current.peak > budget and remaining:
         base_excess = current.excess(budget)
@@ -141,15 +143,16 @@ def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] 
         chosen.extend(best)
         remaining = [o for o in remaining if o not in best]
         current = best_profile
-    return prune(model, chosen, budget)
+    return prune(model, chosen, budget, keep=start)
 
 
-def prune(model: MemoryModel, chosen: List[int], budget: int) -> List[int]:
-    """Drop choices not needed to meet ``budget``, the most expensive first."""
+def prune(model: MemoryModel, chosen: List[int], budget: int, keep: Sequence[int] = ()) -> List[int]:
+    """Drop choices not needed to meet ``budget``, the most expensive first
+    (never those in ``keep``)."""
     if model.profile(chosen).peak > budget:
         return chosen
     kept = list(chosen)
-    for o in sorted(chosen, key=lambda o: -model.graph.ops[o].cost_s):
+    for o in sorted((o for o in chosen if o not in set(keep)), key=lambda o: -model.graph.ops[o].cost_s):
         trial = [x for x in kept if x != o]
         if model.profile(trial).peak <= budget:
             kept = trial
@@ -286,12 +289,14 @@ def milp(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = 
     return None
 
 
-def select(model: MemoryModel, budget: int, method: str = "auto") -> Selection:
+def select(model: MemoryModel, budget: int, method: str = "auto", start: Sequence[int] = ()) -> Selection:
     """Meet ``budget`` (bytes, fixed bytes included) at the least modelled
-    recompute overhead with ``method`` (``greedy``, ``milp`` or ``auto``)."""
+    recompute overhead with ``method`` (``greedy``, ``milp`` or ``auto``).
+    ``start``: a recompute set the greedy search extends (another
+    partitioner's choice) rather than starting from nothing."""
     if method not in ("auto", "greedy", "milp"):
         raise ValueError(f"planner method {method!r}: expected 'auto', 'greedy' or 'milp'")
-    start = time.perf_counter()
+    began = time.perf_counter()
     baseline = model.profile([])
     cands = _candidates(model)
     notes: List[str] = []
@@ -302,7 +307,7 @@ def select(model: MemoryModel, budget: int, method: str = "auto") -> Selection:
     else:
         plans = []
         if method in ("greedy", "auto"):
-            plans.append(("greedy", greedy(model, budget, cands)))
+            plans.append(("greedy", greedy(model, budget, cands, start=start)))
         if (method == "milp" or (method == "auto" and len(cands) <= MILP_MAX_CANDIDATES)) \
                 and not milp_available():
             notes.append("scipy is not installed: the exact integer program was skipped")
@@ -336,5 +341,5 @@ def select(model: MemoryModel, budget: int, method: str = "auto") -> Selection:
                           feasible=final.peak <= budget, method=used, notes=notes)
     if not selection.feasible:
         selection.min_reachable_peak = final.peak
-    selection.solve_s = time.perf_counter() - start
+    selection.solve_s = time.perf_counter() - began
     return selection
