@@ -184,14 +184,12 @@ class EchoPartitioner(_partitioner_base()):
             reserve = MemoryModel(graph).later_graphs_bytes()
         return MemoryModel(graph, reserve_bytes=reserve)
 
-    def plan_and_partition(self, gm: fx.GraphModule, model: MemoryModel, budget: int, start: Sequence[int] = (),
-                           **kwargs: Any):
-        """Select the recompute set of ``model`` under ``budget`` (extending
-        ``start``, see :func:`select`) and cut ``gm`` by it."""
+    def plan_and_partition(self, gm: fx.GraphModule, model: MemoryModel, budget: int, **kwargs: Any):
+        """Select the recompute set of ``model`` under ``budget`` and cut ``gm`` by it."""
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices")
         graph, reserve = model.graph, model.reserve_bytes
-        selection = select(model, budget, self.method, start=start)
+        selection = select(model, budget, self.method)
         keys = [graph.ops[o].key for o in selection.recompute]
         fw, bw = partition_joint_graph(gm, keys, graph, num_fwd_outputs=num_fwd_outputs,
                                        static_lifetime_input_indices=static)
@@ -203,14 +201,9 @@ class EchoPartitioner(_partitioner_base()):
         stash = model.stashed_bytes(selection.recompute)
         self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash,
                            "reserve_bytes": reserve})
-        if self.budget.bytes is not None and self.shares_budget:
+        if self.budget.bytes is not None:
             self.carried += model.carried_bytes(selection.recompute)
         return fw, bw
-
-    # Whether graphs share the byte budget in compile order (Note [Budget
-    # shares across graph breaks]); a subclass that reads each graph's share
-    # from elsewhere turns it off.
-    shares_budget = True
 
     def budget_note(self) -> str:
         """What the graph's budget was reduced by, for the warning when it does not fit."""

@@ -117,14 +117,12 @@ def _apply(model: MemoryModel, profile: Profile, move: Sequence[int]) -> Profile
     return profile
 
 
-def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None,
-           start: Sequence[int] = ()) -> List[int]:
+def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = None) -> List[int]:
     """Echo's greedy: benefit (memory above budget removed) per second of
     recompute, all remaining candidates re-evaluated each round (alone, and
-    with the unstashed ops feeding them), then pruned. ``start``: ops
-    recomputed from the outset, kept through the pruning."""
-    chosen: List[int] = list(start)
-    remaining = [o for o in (candidates if candidates is not None else _candidates(model)) if o not in chosen]
+    with the unstashed ops feeding them), then pruned."""
+    remaining = list(candidates if candidates is not None else _candidates(model))
+    chosen: List[int] = []
     current = model.profile(chosen)
     while current.peak > budget and remaining:
         base_excess = current.excess(budget)
@@ -143,16 +141,15 @@ def greedy(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] 
         chosen.extend(best)
         remaining = [o for o in remaining if o not in best]
         current = best_profile
-    return prune(model, chosen, budget, keep=start)
+    return prune(model, chosen, budget)
 
 
-def prune(model: MemoryModel, chosen: List[int], budget: int, keep: Sequence[int] = ()) -> List[int]:
-    """Drop choices not needed to meet ``budget``, the most expensive first
-    (never those in ``keep``)."""
+def prune(model: MemoryModel, chosen: List[int], budget: int) -> List[int]:
+    """Drop choices not needed to meet ``budget``, the most expensive first."""
     if model.profile(chosen).peak > budget:
         return chosen
     kept = list(chosen)
-    for o in sorted((o for o in chosen if o not in set(keep)), key=lambda o: -model.graph.ops[o].cost_s):
+    for o in sorted(chosen, key=lambda o: -model.graph.ops[o].cost_s):
         trial = [x for x in kept if x != o]
         if model.profile(trial).peak <= budget:
             kept = trial
@@ -289,11 +286,9 @@ def milp(model: MemoryModel, budget: int, candidates: Optional[Sequence[int]] = 
     return None
 
 
-def select(model: MemoryModel, budget: int, method: str = "auto", start: Sequence[int] = ()) -> Selection:
+def select(model: MemoryModel, budget: int, method: str = "auto") -> Selection:
     """Meet ``budget`` (bytes, fixed bytes included) at the least modelled
-    recompute overhead with ``method`` (``greedy``, ``milp`` or ``auto``).
-    ``start``: a recompute set the greedy search extends (another
-    partitioner's choice) rather than starting from nothing."""
+    recompute overhead with ``method`` (``greedy``, ``milp`` or ``auto``)."""
     if method not in ("auto", "greedy", "milp"):
         raise ValueError(f"planner method {method!r}: expected 'auto', 'greedy' or 'milp'")
     began = time.perf_counter()
@@ -307,7 +302,7 @@ def select(model: MemoryModel, budget: int, method: str = "auto", start: Sequenc
     else:
         plans = []
         if method in ("greedy", "auto"):
-            plans.append(("greedy", greedy(model, budget, cands, start=start)))
+            plans.append(("greedy", greedy(model, budget, cands)))
         if (method == "milp" or (method == "auto" and len(cands) <= MILP_MAX_CANDIDATES)) \
                 and not milp_available():
             notes.append("scipy is not installed: the exact integer program was skipped")
