@@ -148,3 +148,25 @@ def test_optimizer_state_to_come(make, copies):
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()  # the state exists now: nothing more to come
     assert pending_optimizer_state_bytes("cpu") == before
+
+
+def test_a_batch_of_another_size_recompiles_with_symbolic_sizes_under_the_budget():
+    """The last batch of an epoch is smaller: dynamo recompiles with symbolic
+    sizes, and that graph is cut under the budget too."""
+    sizes = iter([2048, 2048, 1536])
+    generator = torch.Generator().manual_seed(3)
+
+    def batch():
+        n = next(sizes)
+        return torch.randn(n, 256, generator=generator), torch.randn(n, 1, generator=generator)
+
+    reference = run_plain(_mlp_stack, batch, _mlp_loss, steps=3)
+    torch._dynamo.reset()
+    sizes, generator = iter([2048, 2048, 1536]), torch.Generator().manual_seed(3)
+    budget = _compiled_peak(_mlp_stack, _mlp_batch, _mlp_loss) // 2
+    sizes, generator = iter([2048, 2048, 1536]), torch.Generator().manual_seed(3)
+    managed = run_managed(_mlp_stack, batch, _mlp_loss, steps=3, budget=budget)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    plans = membudget.compiled_plans()
+    assert len(plans) == 2 and all(plan["activation_memory_budget"] < 1.0 for plan in plans)
