@@ -137,7 +137,8 @@ def main() -> None:
         _, _, eager_s, _ = _fresh(name, False, args.steps)
         _, compiled_peak, _, _ = _fresh(name, True, 1, count=True)
         _, eager_peak, _, _ = _fresh(name, False, 1, count=True)
-        print(f"| {name} | - | plain compiled | yes | {compiled_peak / MiB:.1f} MiB | {compiled_s * 1e3:.0f} ms | 1.00 | |")
+        print(f"| {name} | - | plain compiled | yes | {compiled_peak / MiB:.1f} MiB | "
+              f"{compiled_s * 1e3:.0f} ms | 1.00 | |")
         print(f"| {name} | - | plain eager | yes | {eager_peak / MiB:.1f} MiB | {eager_s * 1e3:.0f} ms | "
               f"{eager_s / compiled_s:.2f} | |")
         for fraction in fractions:

@@ -170,3 +170,18 @@ def test_a_batch_of_another_size_recompiles_with_symbolic_sizes_under_the_budget
     assert managed.stats["reserved_bytes.all.peak"] <= budget
     plans = membudget.compiled_plans()
     assert len(plans) == 2 and all(plan["activation_memory_budget"] < 1.0 for plan in plans)
+
+
+def test_out_of_memory_below_the_floor_says_how_the_graphs_were_cut():
+    """Below what any cut reaches, the compile warns and the out-of-memory
+    error names each graph's cut, predicted peak and share."""
+    budget = _compiled_peak(_mlp_stack, _mlp_batch, _mlp_loss) // 8
+    with pytest.warns(RuntimeWarning, match="cannot meet its share"), \
+            pytest.raises(torch.OutOfMemoryError,
+                          match=r"compiled graphs \(MEMBUDGET_COMPILE=plan\): graph 0 cut at "
+                                r"activation_memory_budget=[0-9.]+, predicted peak .* of its share .* \(short of it\)"):
+        run_managed(_mlp_stack, _mlp_batch, _mlp_loss, steps=2, budget=budget)
+    membudget.install(budget=budget)  # a new install starts without the note
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        torch.empty(budget // 4 + 1, dtype=torch.float32)
+    assert "compiled graphs" not in str(raised.value)

@@ -693,7 +693,13 @@ std::string ResidencyManager::describe_evictable() const {
       text += "; the host tier is full (raise MEMBUDGET_HOST_BUDGET)";
     }
   }
+  if (!out_of_memory_note_.empty()) text += "; " + out_of_memory_note_;
   return text;
+}
+
+void ResidencyManager::set_out_of_memory_note(std::string note) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  out_of_memory_note_ = std::move(note);
 }
 
 }  // namespace membudget

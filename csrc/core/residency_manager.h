@@ -206,6 +206,10 @@ class ResidencyManager final : public Evictor {
   // Evictor: releases evictable entries until `bytes_needed` are freed.
   size_t evict(size_t bytes_needed, Stream stream) override;
   std::string describe_evictable() const override;
+  // Appended to describe_evictable(), and so to every out-of-memory message:
+  // what the Python side knows that bears on the failure (how compiled
+  // graphs were cut to fit the budget). Empty: nothing appended.
+  void set_out_of_memory_note(std::string note);
 
   // Frees the device copies of all evictable entries (swapping those without
   // a host copy); returns bytes freed. For tests and explicit offload.
@@ -367,6 +371,7 @@ class ResidencyManager final : public Evictor {
   std::unordered_map<uint64_t, ResidencyEntry*> by_id_;
   std::vector<ResidencyEntry*> planned_;          // plan_drop()ped, not yet droppable
   AllowedActions allowed_;
+  std::string out_of_memory_note_;
   EvictedNeighbourhoods neighbourhoods_;
   size_t dropped_entries_ = 0;                    // entries dropped or recomputing
   bool host_tier_blocked_ = false;                // candidates() skipped one: host tier full

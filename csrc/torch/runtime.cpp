@@ -244,6 +244,9 @@ void bind_runtime(py::module_& m) {
   m.def("runtime_kind", []() -> std::string { return Runtime::get() ? Runtime::get()->device_kind() : "none"; });
   m.def("managing", []() { return Runtime::get() != nullptr && Runtime::get()->managing(); });
   m.def("memory_stats", &memory_stats, "Flat statistics dict (torch.cuda.memory_stats style keys).");
+  m.def("set_out_of_memory_note", [](const std::string& note) {
+    if (Runtime* r = Runtime::get()) r->manager().set_out_of_memory_note(note);
+  }, py::arg("note"), "Text appended to every out-of-memory message from now on (empty: none).");
   m.def("reset_peak_stats", []() {
     if (Runtime* r = Runtime::get()) {
       r->device_allocator().reset_peak_stats();

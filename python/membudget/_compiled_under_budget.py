@@ -185,6 +185,7 @@ class BudgetPartitioner(EchoPartitioner):
         plan = {"selection": selection, "graph": model.graph, "stash_bytes": model.stashed_bytes(recompute),
                 "reserve_bytes": model.reserve_bytes, "activation_memory_budget": fraction, **self._last}
         self.plans.append(plan)
+        _note_for_out_of_memory(self.plans)
         if self.log:
             print(f"membudget: compiled graph {len(self.plans) - 1}: {plan['budget_bytes']} bytes of the budget "
                   f"({plan['outside_bytes']} held outside it, {plan['optimizer_state_bytes']} of optimizer state "
@@ -211,6 +212,28 @@ class BudgetPartitioner(EchoPartitioner):
     def uuid(self) -> Any:
         """Cache key: the planner's, and this process budget."""
         return f"{super().uuid()}-{self.budget_bytes}-{self.device_type}"
+
+
+def _note_for_out_of_memory(plans: List[Dict[str, Any]]) -> None:
+    """Have every out-of-memory message say how the compiled graphs were cut:
+    what a graph saves stays until its backward, evictable or not, so a
+    failure inside one is explained by its share and its predicted peak."""
+    from ._native import load_extension
+    from .config import format_bytes
+
+    shown = plans[-4:]
+    first = len(plans) - len(shown)
+    parts = [f"graph {first + i} cut at activation_memory_budget={plan['activation_memory_budget']:g}, "
+             f"predicted peak {format_bytes(plan['selection'].predicted_peak)} of its share "
+             f"{format_bytes(plan['budget_bytes'])}{'' if plan['selection'].feasible else ' (short of it)'}"
+             for i, plan in enumerate(shown)]
+    load_extension().set_out_of_memory_note("compiled graphs (MEMBUDGET_COMPILE=plan): " + "; ".join(parts))
+
+
+def _clear_out_of_memory_note() -> None:
+    from ._native import load_extension
+
+    load_extension().set_out_of_memory_note("")
 
 
 def _save_random_values(gm: fx.GraphModule) -> None:
@@ -286,6 +309,7 @@ def plan_compiles(budget_bytes: int, device: torch.device, device_model: str, lo
     ``custom_partitioner_fn`` or the user set one."""
     global _installed
     _installed = None
+    _clear_out_of_memory_note()
     config = _inductor_config()
     if config is None:
         return False
@@ -306,6 +330,7 @@ def leave_compiles(forget_plans: bool = False) -> None:
         config.custom_partitioner_fn = None
     if forget_plans:
         _installed = None
+        _clear_out_of_memory_note()
 
 
 def compiled_plans() -> List[Dict[str, Any]]:
