@@ -143,11 +143,11 @@ class BudgetPartitioner(EchoPartitioner):
         self.budget_bytes = int(budget_bytes)
         self.device_type = device_type
         self.log = log
-        self._last: Dict[str, int] = {}
 
-    def graph_budget(self, model) -> int:
-        """The graph's share: the budget less what is held outside it and
-        the optimizer state to come, less ``MARGIN``."""
+    def _share(self, model) -> Dict[str, int]:
+        """The graph's share of the budget (``budget_bytes``): the budget less
+        what is held outside it (``outside_bytes``) and the optimizer state
+        to come (``optimizer_state_bytes``), less ``MARGIN``."""
         from .stats import memory_stats
 
         stats = memory_stats()
@@ -156,18 +156,14 @@ class BudgetPartitioner(EchoPartitioner):
         outside = max(0, held - evictable - int(model.fixed))
         state = pending_optimizer_state_bytes(self.device_type)
         share = self.budget_bytes - outside - state
-        self._last = {"budget_bytes": int(share * (1.0 - self.margin)), "outside_bytes": outside,
-                      "optimizer_state_bytes": state}
-        return self._last["budget_bytes"]
-
-    def budget_note(self) -> str:
-        return (f"{self._last.get('outside_bytes', 0)} bytes held outside the graph, "
-                f"{self._last.get('optimizer_state_bytes', 0)} of optimizer state to come")
+        return {"budget_bytes": int(share * (1.0 - self.margin)), "outside_bytes": outside,
+                "optimizer_state_bytes": state}
 
     def __call__(self, gm, joint_inputs, **kwargs):
         """Cut the joint graph ``gm`` into (forward, backward) graph modules."""
         model = self.model_of(gm, kwargs["num_fwd_outputs"])
-        budget = self.graph_budget(model)
+        share = self._share(model)
+        budget = share["budget_bytes"]
         # Note [Inductor's partitions, judged by the planner's model].
         trials = []
         for fraction in _fractions():
@@ -191,10 +187,12 @@ class BudgetPartitioner(EchoPartitioner):
         if not selection.feasible:
             selection.min_reachable_peak = profile.peak
             warnings.warn(f"membudget: compiled graph {len(self.plans)} cannot meet its share of the budget, "
-                          f"{budget} bytes ({self.budget_note()}); planned its lowest modelled peak, "
+                          f"{budget} bytes ({share['outside_bytes']} bytes held outside the graph, "
+                          f"{share['optimizer_state_bytes']} of optimizer state to come); planned its lowest "
+                          f"modelled peak, "
                           f"{profile.peak} bytes", RuntimeWarning, stacklevel=2)
         plan = {"selection": selection, "graph": model.graph, "stash_bytes": model.stashed_bytes(recompute),
-                "reserve_bytes": model.reserve_bytes, "activation_memory_budget": fraction, **self._last}
+                "reserve_bytes": model.reserve_bytes, "activation_memory_budget": fraction, **share}
         self.plans.append(plan)
         _note_for_out_of_memory(self.plans)
         if self.log:

@@ -172,8 +172,26 @@ class EchoPartitioner(_partitioner_base()):
         self.carried = 0
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
-        model = self.model_of(gm, kwargs["num_fwd_outputs"])
-        return self.plan_and_partition(gm, model, self.graph_budget(model), **kwargs)
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static = kwargs.get("static_lifetime_input_indices")
+        model = self.model_of(gm, num_fwd_outputs)
+        graph, reserve = model.graph, model.reserve_bytes
+        budget = int(self.budget.resolve(model, self.carried) * (1.0 - self.margin))
+        selection = select(model, budget, self.method)
+        keys = [graph.ops[o].key for o in selection.recompute]
+        fw, bw = partition_joint_graph(gm, keys, graph, num_fwd_outputs=num_fwd_outputs,
+                                       static_lifetime_input_indices=static)
+        if not selection.feasible:
+            warnings.warn(
+                f"membudget planner: graph {len(self.plans)} cannot meet its budget of {budget} bytes "
+                f"({self.carried} bytes carried from earlier graphs); planned its lowest reachable peak, "
+                f"{selection.predicted_peak} bytes", RuntimeWarning, stacklevel=2)
+        stash = model.stashed_bytes(selection.recompute)
+        self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash,
+                           "reserve_bytes": reserve})
+        if self.budget.bytes is not None:
+            self.carried += model.carried_bytes(selection.recompute)
+        return fw, bw
 
     def model_of(self, gm: fx.GraphModule, num_fwd_outputs: int) -> MemoryModel:
         """The memory model of the joint graph ``gm``, with room reserved for
@@ -184,41 +202,12 @@ class EchoPartitioner(_partitioner_base()):
             reserve = MemoryModel(graph).later_graphs_bytes()
         return MemoryModel(graph, reserve_bytes=reserve)
 
-    def plan_and_partition(self, gm: fx.GraphModule, model: MemoryModel, budget: int, **kwargs: Any):
-        """Select the recompute set of ``model`` under ``budget`` and cut ``gm`` by it."""
-        num_fwd_outputs = kwargs["num_fwd_outputs"]
-        static = kwargs.get("static_lifetime_input_indices")
-        graph, reserve = model.graph, model.reserve_bytes
-        selection = select(model, budget, self.method)
-        keys = [graph.ops[o].key for o in selection.recompute]
-        fw, bw = partition_joint_graph(gm, keys, graph, num_fwd_outputs=num_fwd_outputs,
-                                       static_lifetime_input_indices=static)
-        if not selection.feasible:
-            warnings.warn(
-                f"membudget planner: graph {len(self.plans)} cannot meet its budget of {budget} bytes "
-                f"({self.budget_note()}); planned its lowest reachable peak, "
-                f"{selection.predicted_peak} bytes", RuntimeWarning, stacklevel=2)
-        stash = model.stashed_bytes(selection.recompute)
-        self.plans.append({"selection": selection, "graph": graph, "carried": self.carried, "stash_bytes": stash,
-                           "reserve_bytes": reserve})
-        if self.budget.bytes is not None:
-            self.carried += model.carried_bytes(selection.recompute)
-        return fw, bw
-
-    def budget_note(self) -> str:
-        """What the graph's budget was reduced by, for the warning when it does not fit."""
-        return f"{self.carried} bytes carried from earlier graphs"
-
     def __deepcopy__(self, memo: Dict[int, Any]) -> "EchoPartitioner":
         # Inductor deep-copies its config (a repro after a failed compile,
         # config snapshots): the partitioner is one object that keeps its
         # record of plans, whose planning graphs hold fake tensors, which
         # cannot be copied.
         return self
-
-    def graph_budget(self, model: MemoryModel) -> int:
-        """The byte budget the graph of ``model`` is planned against."""
-        return int(self.budget.resolve(model, self.carried) * (1.0 - self.margin))
 
     def uuid(self) -> Any:
         """Cache key for inductor's FX graph cache: the planner's source and settings."""
