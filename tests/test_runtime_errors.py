@@ -34,37 +34,6 @@ def test_budget_below_working_set_raises_torch_oom_with_numbers():
     assert membudget.memory_stats()["num_ooms"] >= 1
 
 
-def test_a_step_on_another_thread_is_told_it_is_not_managed():
-    # Saved-tensor hooks are per thread: a step on a thread other than
-    # install()'s saves its activations unmanaged. Its out-of-memory error
-    # said "evictable 0 B" and nothing of why; the same step on the
-    # installing thread fits the same budget by swapping.
-    import threading
-
-    def step():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)])
-        model(torch.randn(2048, 256)).square().mean().backward()
-
-    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="swap")
-    step()  # fits here
-    assert membudget.memory_stats()["swap_out_count"] > 0
-    failures = []
-
-    def on_other_thread():
-        try:
-            step()
-        except torch.OutOfMemoryError as error:
-            failures.append(str(error))
-
-    worker = threading.Thread(target=on_other_thread)
-    worker.start()
-    worker.join()
-    assert len(failures) == 1
-    assert "thread without membudget's saved-tensor hooks" in failures[0], failures[0]
-    gc.collect()
-
-
 def test_exception_mid_forward_leaves_no_handles_and_no_memory():
     membudget.install(budget=64 * MiB, min_tensor_bytes=64 * 1024)
     model = _mlp()

@@ -68,16 +68,19 @@ def run_plain(build, batch, loss_fn, steps: int, step_fn: Optional[StepFn] = Non
 
 
 def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], step_fn: Optional[StepFn] = None,
+                runner: Callable[[Callable[[], RunResult]], RunResult] = lambda run: run(),
                 **install_args) -> RunResult:
-    """The same run under membudget; returns its stats and per-step stats."""
+    """The same run under membudget; returns its stats and per-step stats.
+    ``runner(run)`` runs the training (default: here; tests/test_started_threads.py
+    runs it on another thread), after ``install()`` on this thread."""
     gc.collect()
     membudget.install(budget=budget if budget else None, **install_args)
     load_extension().release_cached()  # so the peak is this run's alone
     membudget.reset_counters()
     membudget.reset_peak_stats()
     per_step = []
-    result = train(build, batch, loss_fn, steps, after_step=lambda _: per_step.append(membudget.memory_stats()),
-                   step_fn=step_fn)
+    result = runner(lambda: train(build, batch, loss_fn, steps,
+                                  after_step=lambda _: per_step.append(membudget.memory_stats()), step_fn=step_fn))
     result.stats = membudget.memory_stats()
     result.per_step = per_step
     membudget.uninstall()

@@ -196,16 +196,41 @@ thread_local bool t_speculative = false;  // Note [Speculative allocations]
 // transform membudget's hooks are taken off and hooks are disabled (Note
 // [torch.func transforms run unmanaged] in _func_transforms.py): that is said
 // instead.
+//
+// Threads started after install() push membudget's hooks as they start, with
+// no lineage recorder (Note [Threads started after install()] in _runtime.py):
+// what they save is swap-only, so under MEMBUDGET_ACTIONS=recompute nothing
+// of theirs is evictable. Daemon threads push none. Their errors say that.
+enum class StartedThread { kNo, kManaged, kDaemon };
+thread_local StartedThread t_started_after_install = StartedThread::kNo;
+
 std::string unmanaged_thread_note() {
-  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return "";
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) {
+    Runtime* runtime = Runtime::get();
+    if (t_started_after_install == StartedThread::kManaged && runtime != nullptr &&
+        runtime->config().actions == "recompute") {
+      return " This allocation came from a thread started after install(): activations saved on it are "
+             "managed but swap-only (lineage is recorded on the thread that called install() only), and "
+             "MEMBUDGET_ACTIONS=recompute cannot release them; allow swapping (MEMBUDGET_ACTIONS=both) or run "
+             "the training step on the thread that called install().";
+    }
+    return "";
+  }
   if (!at::SavedTensorDefaultHooks::is_enabled()) {
     return " This allocation came from inside a torch.func transform (grad, vjp, jacrev, hessian), where "
            "saved-tensor hooks are disabled: what it saves is not managed; lower its batch or chunk it "
            "(vmap's chunk_size).";
   }
+  if (t_started_after_install == StartedThread::kDaemon) {
+    return " This allocation came from a daemon thread: activations saved on it are not managed, since "
+           "membudget pushes no saved-tensor hooks on daemon threads (a daemon thread still running as the "
+           "interpreter exits would abort it when torch let go of them); run the training step on a "
+           "non-daemon thread or on the thread that called install().";
+  }
   return " This allocation came from a thread without membudget's saved-tensor hooks: activations saved "
-         "on it are not managed (hooks are per thread); run the training step on the thread that called "
-         "install().";
+         "on it are not managed (hooks are per thread, and this thread was started before install() or "
+         "outside the threading module); run the training step on the thread that called install(), or "
+         "on a thread started after it.";
 }
 }  // namespace
 
@@ -243,6 +268,11 @@ void bind_runtime(py::module_& m) {
   m.def("uninstall_runtime", &uninstall_runtime, "Stop managing; on cpu restore the previous CPU allocator.");
   m.def("runtime_kind", []() -> std::string { return Runtime::get() ? Runtime::get()->device_kind() : "none"; });
   m.def("managing", []() { return Runtime::get() != nullptr && Runtime::get()->managing(); });
+  m.def("note_thread_started_after_install", [](bool managed) {
+    t_started_after_install = managed ? StartedThread::kManaged : StartedThread::kDaemon;
+  }, py::arg("managed"),
+        "This thread started after install(), and pushed membudget's hooks (managed) or, a daemon, did not "
+        "(Note [Threads started after install()]): its out-of-memory errors say what that means.");
   m.def("memory_stats", &memory_stats, "Flat statistics dict (torch.cuda.memory_stats style keys).");
   m.def("set_out_of_memory_note", [](const std::string& note) {
     if (Runtime* r = Runtime::get()) r->manager().set_out_of_memory_note(note);

@@ -14,7 +14,11 @@ support saved tensor hooks", with nothing naming membudget.
 
 While installed, that context manager is replaced by one that, on the install
 thread and when membudget's hooks top the hook stack, takes them off for the
-transform and pushes them back after it. Inside a transform nothing is packed:
+transform and pushes them back after it. Threads started after ``install()``
+push membudget's native hooks as they start (Note [Threads started after
+install()] in ``_runtime.py``): there the same is done for that pair, and
+the context manager stays replaced after ``uninstall()`` while such a thread
+lives, since its hooks do. Inside a transform nothing is packed:
 what it saves is held the way plain PyTorch holds it, never swapped or
 dropped, and counts toward the budget like any other allocation. Outside it
 everything is managed as before. The lineage recorder stays on, so that a
@@ -41,11 +45,14 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.autograd.graph as _graph
 
-__all__ = ["allow_transforms", "restore"]
+__all__ = ["allow_transforms", "allow_transforms_on_started_thread", "started_thread_ended", "restore"]
 
 _original: Optional[Callable] = None      # torch's context manager while ours stands in
 _thread: Optional[int] = None             # the install thread
 _hooks: Optional[Tuple[Callable, Callable]] = None  # membudget's (pack, unpack)
+_started_hooks: Optional[Tuple[Callable, Callable]] = None  # pushed by threads started after install()
+_started_alive = 0                        # how many of those threads have not ended
+_lock = threading.Lock()
 
 _OLD_TORCH = ("membudget: torch.func transforms refuse saved-tensor hooks, and this torch ({}) cannot show "
               "whether the hooks on top are membudget's; upgrade to torch >= 2.8, or call "
@@ -62,12 +69,27 @@ def _top_hooks():
         return top()
 
 
-def _ours_on_top() -> bool:
+def _on_top(hooks: Optional[Tuple[Callable, Callable]]) -> bool:
+    """Whether ``hooks`` top this thread's hook stack."""
+    if hooks is None:
+        return False
     try:
         top = _top_hooks()
     except AttributeError:
         raise RuntimeError(_OLD_TORCH.format(torch.__version__)) from None
-    return top is not None and _hooks is not None and top[0] is _hooks[0] and top[1] is _hooks[1]
+    return top is not None and top[0] is hooks[0] and top[1] is hooks[1]
+
+
+def _ours_here() -> Optional[Tuple[Callable, Callable]]:
+    """membudget's hooks when they top this thread's stack, else None: the
+    install thread's, or those a thread started after install() pushed."""
+    hooks = _hooks
+    if threading.get_ident() == _thread and _on_top(hooks):
+        return hooks
+    started = _started_hooks
+    if started is not None and _on_top(started):
+        return started
+    return None
 
 
 class _DisableBesideMembudget:
@@ -84,8 +106,8 @@ class _DisableBesideMembudget:
 
     @torch.compiler.disable
     def __enter__(self):
-        hooks = _hooks
-        if threading.get_ident() == _thread and hooks is not None and _ours_on_top():
+        hooks = _ours_here()
+        if hooks is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self._popped = hooks
         self._inner = (_original or _graph.disable_saved_tensors_hooks)(self._error_message)
@@ -109,22 +131,58 @@ class _DisableBesideMembudget:
             self._popped = None
 
 
-def allow_transforms(pack: Callable, unpack: Callable) -> None:
-    """Let torch.func transforms run on the calling thread, which has just
-    pushed ``pack``/``unpack``: unmanaged inside them, managed outside."""
-    global _original, _thread, _hooks
+def _stand_in() -> None:
+    global _original
     if _original is None:
         _original = _graph.disable_saved_tensors_hooks
         _graph.disable_saved_tensors_hooks = _DisableBesideMembudget
-    _thread = threading.get_ident()
-    _hooks = (pack, unpack)
 
 
-def restore() -> None:
-    """Give torch its own context manager back (a no-op when it has it)."""
-    global _original, _thread, _hooks
+def allow_transforms(pack: Callable, unpack: Callable) -> None:
+    """Let torch.func transforms run on the calling thread, which has just
+    pushed ``pack``/``unpack``: unmanaged inside them, managed outside."""
+    global _thread, _hooks
+    with _lock:
+        _stand_in()
+        _thread = threading.get_ident()
+        _hooks = (pack, unpack)
+
+
+def allow_transforms_on_started_thread(pack: Callable, unpack: Callable) -> None:
+    """The same for a thread started after install(), which has just pushed
+    ``pack``/``unpack``; pair with :func:`started_thread_ended`."""
+    global _started_hooks, _started_alive
+    with _lock:
+        _stand_in()
+        _started_hooks = (pack, unpack)
+        _started_alive += 1
+
+
+def started_thread_ended() -> None:
+    """A thread that called :func:`allow_transforms_on_started_thread` ends:
+    once none is left and membudget is uninstalled, torch's own context
+    manager is back."""
+    global _started_alive
+    with _lock:
+        _started_alive -= 1
+        if _started_alive == 0 and _thread is None:
+            _restore_original()
+
+
+def _restore_original() -> None:
+    global _original, _started_hooks
     if _original is not None:
         _graph.disable_saved_tensors_hooks = _original
     _original = None
-    _thread = None
-    _hooks = None
+    _started_hooks = None
+
+
+def restore() -> None:
+    """Give torch its own context manager back (a no-op when it has it),
+    unless a thread started after install() still has membudget's hooks."""
+    global _thread, _hooks
+    with _lock:
+        _thread = None
+        _hooks = None
+        if _started_alive == 0:
+            _restore_original()

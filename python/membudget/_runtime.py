@@ -16,6 +16,33 @@ their own hooks, which win inside them (innermost wins); under a budget they
 run as plain code instead (Note [Checkpoint regions under a budget] in
 ``_checkpoint_regions.py``).
 
+Note [Threads started after install()]: a training step run on another thread
+(a ``threading.Thread``, a ``ThreadPoolExecutor`` worker, a web UI's training
+worker) saved its activations unmanaged, since that thread had no hooks, and
+ran out of memory at any budget below its plain peak. While installed, every
+``threading.Thread`` pushes membudget's native hooks as it starts, before its
+``run()``, so they sit at the bottom of its hook stack and no ``with`` block of
+its own can pop them (``threading.Thread._bootstrap_inner`` is wrapped; it
+runs on the new thread). The lineage recorder stays on the install thread
+alone: it is fed from one thread, and two forwards recorded at once would
+interleave in one graph. So what those threads save is managed but
+swap-only: swapped exactly, never dropped; under ``MEMBUDGET_ACTIONS=recompute``
+their error says so. Daemon threads are left unmanaged (their error says
+so): torch holds the pushed hooks in the thread's C++ thread-locals, and a
+daemon thread still alive as the interpreter exits (tqdm's monitor, which
+transformers starts) is stopped as it next takes the GIL, and its
+thread-locals are destroyed then; releasing the hooks takes the GIL again,
+inside a destructor, and the process aborted ("terminate called without an
+active exception", exit status 134, after every test had passed). For the
+same reason a started thread empties its hook stack as its ``run()`` ends,
+while it still holds the GIL: a thread's Python state goes (and ``join()``
+returns) before its C++ thread-locals are destroyed, so the interpreter
+could begin to exit between the two and the release abort it as above. Threads started before ``install()`` (or through
+``_thread`` directly) cannot be reached from outside and stay unmanaged; their
+error says that too. The pushed hooks stay for the thread's life: after
+``uninstall()`` they pack nothing (the native pack passes tensors through when
+no runtime manages), and a later ``install()`` manages through them again.
+
 When recomputation is allowed (``MEMBUDGET_ACTIONS`` ``recompute`` or
 ``both``), ``install()`` also enters :class:`~membudget.lineage.LineageMode`
 on that thread, so forward ops are recorded and dropped activations can be
@@ -69,6 +96,7 @@ _parked_depth: Optional[int] = None  # dispatch stack depth the mode left, while
 _rearm_hook = None                   # the module pre-hook's handle, while parked
 _optimizer_hooks = None              # the global optimizer step hooks' handles, while recording
 _parking_allowed = True              # whether optimizer steps park the mode (benchmarks turn it off)
+_thread_bootstrap = None             # threading.Thread._bootstrap_inner as it was, while wrapped
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -153,6 +181,10 @@ def install(
     (``torch._dynamo.reset()``). :func:`membudget.compiled_plans` lists what
     was planned.
 
+    Saved activations are managed on this thread and, swap-only, on every
+    non-daemon ``threading.Thread`` started from here on (Note [Threads
+    started after install()]); call :func:`uninstall` from this thread.
+
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
@@ -205,6 +237,7 @@ def install(
             _pop_hooks()
         _push_hooks(native, config, plan, target, recording=config.records_lineage and budget_bytes > 0)
         _hooks_thread = threading.get_ident()
+        _manage_threads_started_from_now()
         if budget_bytes > 0 and config.checkpoint == "replace":
             _checkpoint_regions.replace_regions()
         else:
@@ -215,6 +248,73 @@ def install(
         else:
             _compiled_under_budget.leave_compiles(forget_plans=True)
     return config
+
+
+def _manage_threads_started_from_now() -> None:
+    """Threads started from here on push membudget's hooks before their
+    ``run()`` (Note [Threads started after install()])."""
+    global _thread_bootstrap
+    if _thread_bootstrap is not None:
+        return
+    original = threading.Thread._bootstrap_inner
+
+    @functools.wraps(original)
+    def bootstrap_with_hooks(thread):
+        pushed = _hooks_thread is not None and _push_hooks_on_started_thread(thread)
+        try:
+            original(thread)
+        finally:
+            if pushed:
+                _pop_hooks_of_ending_thread()
+                _func_transforms.started_thread_ended()
+
+    threading.Thread._bootstrap_inner = bootstrap_with_hooks
+    _thread_bootstrap = original
+
+
+def _push_hooks_on_started_thread(thread: threading.Thread) -> bool:
+    """Pushes the native hooks on this (new) thread unless it is a daemon;
+    True when pushed. A failure is reported and leaves the thread
+    unmanaged, never fails it."""
+    try:
+        native = load_extension()
+        if thread.daemon:
+            native.note_thread_started_after_install(False)
+            return False
+        torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+        native.note_thread_started_after_install(True)
+        _func_transforms.allow_transforms_on_started_thread(native.pack, native.unpack)
+        return True
+    except Exception as error:  # pragma: no cover - defensive: a thread must start whatever happens
+        import warnings
+
+        warnings.warn(f"membudget: thread {threading.current_thread().name!r} runs unmanaged: {error}",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+
+def _pop_hooks_of_ending_thread() -> None:
+    """Empties this ending thread's hook stack while it still holds the GIL
+    (Note [Threads started after install()]): left to the thread's C++
+    thread-locals, the hooks were released after the thread had let go of
+    the interpreter, racing its exit."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        if top is None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()  # torch < 2.8: ours, at the bottom
+            return
+        while top(True) is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    except RuntimeError:  # pragma: no cover - a torch that refuses: the thread-locals release them
+        pass
+
+
+def _leave_threads_started_from_now() -> None:
+    """Threads started from here on start as torch would have them."""
+    global _thread_bootstrap
+    if _thread_bootstrap is not None:
+        threading.Thread._bootstrap_inner = _thread_bootstrap
+        _thread_bootstrap = None
 
 
 def _cost_model_name(device: torch.device) -> str:
@@ -467,6 +567,7 @@ def uninstall() -> None:
                 raise RuntimeError("membudget.uninstall() must run on the thread that called install()")
             _pop_hooks()
             _hooks_thread = None
+            _leave_threads_started_from_now()
             if not native.any_entry_saved_for_backward():
                 # Only an entry autograd holds can still need a replay (Note
                 # [Entries only lineage holds] in saved_activation.cpp). Kept, the callback

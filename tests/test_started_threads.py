@@ -1,0 +1,244 @@
+"""Training steps on threads started after install() (Note [Threads started
+after install()] in python/membudget/_runtime.py): their activations are
+managed, swap-only, exactly; threads started before it are told they are not.
+"""
+import gc
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+import membudget
+from membudget import _func_transforms
+from membudget._native import load_extension
+
+from models import bert, gpt2
+from training import assert_identical, run_managed, run_plain
+
+pytestmark = pytest.mark.requires_native
+
+MiB = 1 << 20
+STEPS = 3
+MIN_TENSOR_BYTES = 16 * 1024
+
+
+def on_new_thread(run):
+    """``run()`` on a threading.Thread started now; its result, or its error
+    raised here."""
+    outcome = {}
+
+    def body():
+        try:
+            outcome["result"] = run()
+        except BaseException as error:  # re-raised on the calling thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=body, name="training-worker")
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def on_pool_worker(run):
+    """``run()`` on a ThreadPoolExecutor worker (made lazily, after install())."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
+
+
+def _hooks_on_this_thread():
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+@pytest.mark.parametrize("make_workload,runner", [(gpt2, on_new_thread), (bert, on_pool_worker)],
+                         ids=["gpt2-thread", "bert-pool"])
+def test_training_on_a_thread_started_after_install_is_exact_under_half_its_peak(make_workload, runner):
+    work = make_workload()
+    reference = run_plain(work.build, work.batch, work.loss, STEPS)
+    unbudgeted = run_managed(work.build, work.batch, work.loss, STEPS, budget=None, runner=runner,
+                             min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, unbudgeted)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+
+    # The default actions: what a started thread saves is swap-only, so it is swapped.
+    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
+                          min_tensor_bytes=MIN_TENSOR_BYTES)
+    assert_identical(reference, managed)
+    stats = managed.stats
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["swap_out_bytes"] > 0 and stats["swap_in_count"] > 0
+    assert stats["recompute_count"] == 0  # no lineage off the install thread
+    assert stats["num_ooms"] == 0
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)])
+    loss = model(torch.randn(2048, 256)).square().mean()
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_thread_started_before_install_is_told_it_is_not_managed():
+    """Its hooks cannot be pushed from outside: the same step that fits on
+    a thread started after install() runs out of memory there, and says why."""
+    go, failures = threading.Event(), []
+
+    def started_early():
+        go.wait()
+        try:
+            _mlp_step()
+        except torch.OutOfMemoryError as error:
+            failures.append(str(error))
+
+    early = threading.Thread(target=started_early)
+    early.start()
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024)
+    try:
+        on_new_thread(_mlp_step)  # fits, swapping
+        assert membudget.memory_stats()["swap_out_count"] > 0
+        go.set()
+        early.join()
+    finally:
+        membudget.uninstall()
+    assert len(failures) == 1
+    assert "thread without membudget's saved-tensor hooks" in failures[0], failures[0]
+    assert "started before install()" in failures[0], failures[0]
+    gc.collect()
+
+
+def test_recompute_only_on_a_started_thread_says_it_is_swap_only():
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute")
+    try:
+        _mlp_step()  # the install thread records lineage: fits by recomputing
+        assert membudget.memory_stats()["recompute_count"] > 0
+        with pytest.raises(torch.OutOfMemoryError, match="swap-only") as info:
+            on_new_thread(_mlp_step)
+        assert "MEMBUDGET_ACTIONS=recompute" in str(info.value)
+    finally:
+        membudget.uninstall()
+    gc.collect()
+
+
+def test_torch_func_transforms_run_on_a_started_thread():
+    """The hooks a started thread pushed are taken off for a transform as
+    the install thread's are (Note [torch.func transforms run unmanaged])."""
+    from torch.func import grad, vmap
+
+    x = torch.randn(16, 8)
+    weight = torch.randn(8)
+    per_sample = vmap(grad(lambda w, row: (row * w).sin().sum()), in_dims=(None, 0))
+    expected = per_sample(weight, x)
+
+    def on_thread():
+        assert _hooks_on_this_thread() is not None
+        got = per_sample(weight, x)
+        assert _func_transforms._ours_here() is not None  # pushed back after the transform
+        return got
+
+    membudget.install(budget="1GiB")
+    try:
+        got = on_new_thread(on_thread)
+    finally:
+        membudget.uninstall()
+    assert torch.equal(got, expected)
+
+
+def test_uninstall_leaves_started_threads_working_and_new_threads_plain():
+    native = load_extension()
+    original_bootstrap = threading.Thread._bootstrap_inner
+    membudget.install(budget="1GiB")
+    assert threading.Thread._bootstrap_inner is not original_bootstrap
+    installed, go, seen = threading.Event(), threading.Event(), {}
+
+    def lives_across_uninstall():
+        seen["hooks"] = _hooks_on_this_thread()
+        installed.set()
+        go.wait()
+        # After uninstall its hooks pass tensors through; a transform still runs.
+        seen["loss"], _ = _mlp_step()
+        seen["transform"] = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
+
+    worker = threading.Thread(target=lives_across_uninstall)
+    worker.start()
+    installed.wait()
+    membudget.uninstall()
+    assert threading.Thread._bootstrap_inner is original_bootstrap
+    assert seen["hooks"] == (native.pack, native.unpack)
+    assert on_new_thread(_hooks_on_this_thread) is None  # started after uninstall: plain
+    go.set()
+    worker.join()
+    assert seen["loss"] == _mlp_step()[0]
+    assert torch.equal(seen["transform"], torch.ones(3).cos())
+    # The last started thread ended: torch has its own context manager back.
+    assert _func_transforms._original is None
+    assert torch.autograd.graph.disable_saved_tensors_hooks is not _func_transforms._DisableBesideMembudget
+
+
+def test_a_daemon_thread_is_left_unmanaged_and_told_why():
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024)
+    failures = []
+
+    def step():
+        assert _hooks_on_this_thread() is None
+        try:
+            _mlp_step()
+        except torch.OutOfMemoryError as error:
+            failures.append(str(error))
+
+    try:
+        daemon = threading.Thread(target=step, daemon=True)
+        daemon.start()
+        daemon.join()
+    finally:
+        membudget.uninstall()
+    assert len(failures) == 1 and "daemon thread" in failures[0], failures
+    gc.collect()
+
+
+_EXIT_WITH_THREADS = """
+import atexit, threading
+import torch
+import membudget
+
+membudget.install(budget="64MiB", min_tensor_bytes=64 * 1024)
+
+def step():
+    x = torch.randn(512, 512, requires_grad=True)
+    (x.exp() * 2).sum().backward()
+
+for daemon in (True, False):  # a daemon still inside torch at exit aborts plain PyTorch too: joined
+    worker = threading.Thread(target=step, daemon=daemon)
+    worker.start()
+    worker.join()
+# Threads that end as the interpreter exits: non-daemon ones let go by a
+# timer while it waits for them, and a daemon woken by an exit handler, as
+# tqdm's monitor is.
+release, woken = threading.Event(), threading.Event()
+for _ in range(32):
+    threading.Thread(target=release.wait).start()
+threading.Timer(0.3, release.set).start()
+threading.Thread(target=woken.wait, daemon=True).start()
+atexit.register(woken.set)
+print("ran")
+"""
+
+
+def test_the_interpreter_exits_cleanly_with_threads_started_after_install():
+    """Hooks left in the thread-locals of a thread that ends as the
+    interpreter exits aborted it (status 134) when torch released them:
+    started threads empty their hook stack as they end, and daemon threads
+    get none (Note [Threads started after install()]). A race: without
+    those, about one run in four of this script aborted here."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for _ in range(6):
+        done = subprocess.run([sys.executable, "-c", _EXIT_WITH_THREADS], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "ran" in done.stdout, (done.returncode, done.stderr[-2000:])
