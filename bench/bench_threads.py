@@ -1,0 +1,173 @@
+"""A training step on another thread under a budget, side by side in one
+process (Note [Threads started after install()] in
+python/membudget/_runtime.py): the same seeded run on the thread that called
+``install()`` (swap-only, as other threads are), on a ``threading.Thread``
+and on a ``ThreadPoolExecutor`` worker started after it, and on a thread
+started before it (unmanaged: expected to run out of memory).
+
+The budget is a fraction of the peak reserved bytes of an unbudgeted managed
+run. Each row: whether the run fits, its peak reserved bytes, the bytes it
+swapped out, its median step time over the timed steps and that median over
+the first row's (plain PyTorch on this thread; the next two are plain
+PyTorch on started threads, what the thread itself costs). Adam, one warm-up step, then the timed steps; the
+losses of every run that fits are checked equal to plain PyTorch's.
+
+    PYTHONPATH=python python bench/bench_threads.py [--models mlp,gpt2]
+        [--fraction 0.5] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+import membudget  # noqa: E402
+from bench_compiled_budget import MODELS  # noqa: E402
+from membudget._native import load_extension  # noqa: E402
+
+MiB = 1 << 20
+WARMUP = 1
+
+
+def _train(name: str, steps: int):
+    """(losses, step seconds) of a seeded run; OutOfMemoryError propagates."""
+    torch.manual_seed(0)
+    model, loss_fn = MODELS[name]()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, times = [], []
+    for step in range(WARMUP + steps):
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step >= WARMUP:
+            times.append(time.perf_counter() - began)
+        del loss
+    return losses, times
+
+
+def _here(run):
+    return run()
+
+
+def _started_thread(run):
+    outcome = {}
+
+    def body():
+        try:
+            outcome["result"] = run()
+        except BaseException as error:
+            outcome["error"] = error
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _pool_worker(run):
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
+
+
+class _EarlyThread:
+    """A thread started before ``install()`` that runs what it is given."""
+
+    def __init__(self):
+        self.job, self.outcome = None, {}
+        self.go, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._body)
+        self.thread.start()
+
+    def _body(self):
+        self.go.wait()
+        try:
+            self.outcome["result"] = self.job()
+        except BaseException as error:
+            self.outcome["error"] = error
+        self.done.set()
+
+    def __call__(self, run):
+        self.job = run
+        self.go.set()
+        self.done.wait()
+        self.thread.join()
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["result"]
+
+
+def _plain(name: str, steps: int, runner):
+    """The run with nothing of membudget installed: what the thread itself costs."""
+    gc.collect()
+    losses, times = runner(lambda: _train(name, steps))
+    return {"fits": True, "losses": losses, "peak": float("nan"), "swapped": 0, "step": statistics.median(times)}
+
+
+def _measure(name: str, steps: int, budget, runner, **install):
+    gc.collect()
+    membudget.install(budget=budget, **install)
+    load_extension().release_cached()
+    membudget.reset_counters()
+    membudget.reset_peak_stats()
+    try:
+        losses, times = runner(lambda: _train(name, steps))
+        fits = True
+    except torch.OutOfMemoryError:
+        losses, times, fits = None, [], False
+    stats = membudget.memory_stats()
+    membudget.uninstall()
+    gc.collect()
+    return {"fits": fits, "losses": losses, "peak": stats["reserved_bytes.all.peak"],
+            "swapped": stats["swap_out_bytes"], "step": statistics.median(times) if times else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="mlp,gpt2")
+    parser.add_argument("--fraction", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}; budget {args.fraction:.0%} of each model's unbudgeted managed peak")
+    print(f"{'model':6} {'where':34} {'fits':5} {'peak MiB':>9} {'budget':>8} {'swapped MiB':>12} "
+          f"{'step ms':>8} {'ratio':>6}")
+    for name in args.models.split(","):
+        early = _EarlyThread()  # must start before this model's installs
+        peak = _measure(name, 1, None, _here)["peak"]
+        budget = int(peak * args.fraction)
+        rows = [("install thread (actions=swap)", _here, {"actions": "swap"}),
+                ("threading.Thread started after", _started_thread, {}),
+                ("ThreadPoolExecutor worker after", _pool_worker, {}),
+                ("thread started before install()", early, {})]
+        reference = None
+        measured = [("plain, this thread", _plain(name, args.steps, _here)),
+                    ("plain, threading.Thread", _plain(name, args.steps, _started_thread)),
+                    ("plain, ThreadPoolExecutor worker", _plain(name, args.steps, _pool_worker))]
+        measured += [(where, _measure(name, args.steps, budget, runner, min_tensor_bytes=64 * 1024, **install))
+                     for where, runner, install in rows]
+        for where, row in measured:
+            reference = reference or row
+            if row["fits"] and row["losses"] != reference["losses"]:
+                raise SystemExit(f"{name} {where}: losses differ from plain PyTorch's")
+            ratio = row["step"] / reference["step"] if row["fits"] else float("nan")
+            print(f"{name:6} {where:34} {str(row['fits']):5} {row['peak'] / MiB:9.1f} {budget / MiB:8.1f} "
+                  f"{row['swapped'] / MiB:12.1f} {row['step'] * 1e3:8.1f} {ratio:6.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
