@@ -67,6 +67,23 @@ def _gpt2():
 MODELS = {"mlp": _mlp, "gpt2": _gpt2}
 
 
+def timed_steps(model, loss_fn, optimizer, warmup: int, steps: int):
+    """``warmup`` then ``steps`` training steps: (every loss, the timed
+    steps' seconds). An out-of-memory error propagates."""
+    losses, times = [], []
+    for step in range(warmup + steps):
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step >= warmup:
+            times.append(time.perf_counter() - began)
+        del loss
+    return losses, times
+
+
 def _run(name: str, compiled: bool, steps: int, budget=None, **install):
     """One training run; returns (fits, peak reserved bytes, median step seconds, plans)."""
     torch._dynamo.reset()
@@ -85,16 +102,7 @@ def _run(name: str, compiled: bool, steps: int, budget=None, **install):
     times = []
     fits = True
     try:
-        for step in range(WARMUP + steps):
-            began = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model)
-            loss.backward()
-            optimizer.step()
-            loss.item()
-            if step >= WARMUP:
-                times.append(time.perf_counter() - began)
-            del loss
+        _, times = timed_steps(model, loss_fn, optimizer, WARMUP, steps)
     except torch.OutOfMemoryError:
         fits = False
     peak = membudget.memory_stats().get("reserved_bytes.all.peak", 0) if managed else 0

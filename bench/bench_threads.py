@@ -22,7 +22,6 @@ import gc
 import statistics
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 import membudget  # noqa: E402
-from bench_compiled_budget import MODELS  # noqa: E402
+from bench_compiled_budget import MODELS, timed_steps  # noqa: E402
 from membudget._native import load_extension  # noqa: E402
 
 MiB = 1 << 20
@@ -44,72 +43,50 @@ def _train(name: str, steps: int):
     """(losses, step seconds) of a seeded run; OutOfMemoryError propagates."""
     torch.manual_seed(0)
     model, loss_fn = MODELS[name]()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses, times = [], []
-    for step in range(WARMUP + steps):
-        began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if step >= WARMUP:
-            times.append(time.perf_counter() - began)
-        del loss
-    return losses, times
+    return timed_steps(model, loss_fn, torch.optim.Adam(model.parameters(), lr=1e-3), WARMUP, steps)
 
 
 def _here(run):
     return run()
 
 
-def _started_thread(run):
-    outcome = {}
+class _WaitingThread:
+    """A ``threading.Thread`` started now that runs the job it is given
+    later, once: made before ``install()``, an unmanaged thread; made
+    after it, a managed one."""
 
-    def body():
-        try:
-            outcome["result"] = run()
-        except BaseException as error:
-            outcome["error"] = error
-
-    worker = threading.Thread(target=body)
-    worker.start()
-    worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def _pool_worker(run):
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(run).result()
-
-
-class _EarlyThread:
-    """A thread started before ``install()`` that runs what it is given."""
-
-    def __init__(self):
+    def __init__(self, daemon: bool = False):
         self.job, self.outcome = None, {}
-        self.go, self.done = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=self._body)
+        self.go = threading.Event()
+        self.thread = threading.Thread(target=self._body, daemon=daemon)
         self.thread.start()
 
     def _body(self):
         self.go.wait()
         try:
             self.outcome["result"] = self.job()
-        except BaseException as error:
+        except BaseException as error:  # re-raised on the calling thread
             self.outcome["error"] = error
-        self.done.set()
 
     def __call__(self, run):
         self.job = run
         self.go.set()
-        self.done.wait()
         self.thread.join()
+        # Taken out, not kept: an error's traceback holds the frames of the
+        # run that raised (the model, its activations), which stayed
+        # allocated into the next model's unbudgeted run and inflated its peak.
         if "error" in self.outcome:
-            raise self.outcome["error"]
-        return self.outcome["result"]
+            raise self.outcome.pop("error")
+        return self.outcome.pop("result")
+
+
+def _started_thread(run):
+    return _WaitingThread()(run)
+
+
+def _pool_worker(run):
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
 
 
 def _plain(name: str, steps: int, runner):
@@ -147,7 +124,7 @@ def main() -> None:
     print(f"{'model':6} {'where':34} {'fits':5} {'peak MiB':>9} {'budget':>8} {'swapped MiB':>12} "
           f"{'step ms':>8} {'ratio':>6}")
     for name in args.models.split(","):
-        early = _EarlyThread()  # must start before this model's installs
+        early = _WaitingThread(daemon=True)  # started before this model's installs; never holds up exit
         peak = _measure(name, 1, None, _here)["peak"]
         budget = int(peak * args.fraction)
         rows = [("install thread (actions=swap)", _here, {"actions": "swap"}),
