@@ -37,9 +37,9 @@ active exception", exit status 134, after every test had passed). For the
 same reason a started thread empties its hook stack as its ``run()`` ends,
 while it still holds the GIL: a thread's Python state goes (and ``join()``
 returns) before its C++ thread-locals are destroyed, so the interpreter
-could begin to exit between the two and the release abort it as above. Threads started before ``install()`` (or through
-``_thread`` directly) cannot be reached from outside and stay unmanaged; their
-error says that too. The pushed hooks stay for the thread's life: after
+could begin to exit between the two and the release abort it as above.
+Threads started before ``install()`` (or through ``_thread`` directly) cannot
+be reached from outside and stay unmanaged; their error says that too. The pushed hooks stay for the thread's life: after
 ``uninstall()`` they pack nothing (the native pack passes tensors through when
 no runtime manages), and a later ``install()`` manages through them again.
 
@@ -298,15 +298,14 @@ def _pop_hooks_of_ending_thread() -> None:
     (Note [Threads started after install()]): left to the thread's C++
     thread-locals, the hooks were released after the thread had let go of
     the interpreter, racing its exit."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     try:
-        if top is None:
-            torch._C._autograd._pop_saved_tensors_default_hooks()  # torch < 2.8: ours, at the bottom
-            return
-        while top(True) is not None:
+        while _func_transforms._top_hooks() is not None:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-    except RuntimeError:  # pragma: no cover - a torch that refuses: the thread-locals release them
-        pass
+    except AttributeError:  # torch < 2.8 cannot show the top: ours, at the bottom, are what is left
+        try:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        except RuntimeError:  # the thread's own code popped them: nothing is left
+            pass
 
 
 def _leave_threads_started_from_now() -> None:
