@@ -39,9 +39,10 @@ while it still holds the GIL: a thread's Python state goes (and ``join()``
 returns) before its C++ thread-locals are destroyed, so the interpreter
 could begin to exit between the two and the release abort it as above.
 Threads started before ``install()`` (or through ``_thread`` directly) cannot
-be reached from outside and stay unmanaged; their error says that too. The pushed hooks stay for the thread's life: after
-``uninstall()`` they pack nothing (the native pack passes tensors through when
-no runtime manages), and a later ``install()`` manages through them again.
+be reached from outside and stay unmanaged; their error says that too. The
+pushed hooks stay until the thread's ``run()`` ends: after ``uninstall()``
+they pack nothing (the native pack passes tensors through when no runtime
+manages), and a later ``install()`` manages through them again.
 
 When recomputation is allowed (``MEMBUDGET_ACTIONS`` ``recompute`` or
 ``both``), ``install()`` also enters :class:`~membudget.lineage.LineageMode`
