@@ -1,6 +1,8 @@
 """Training steps on threads started after install() (Note [Threads started
 after install()] in python/membudget/_runtime.py): their activations are
-managed, swap-only, exactly; threads started before it are told they are not.
+managed exactly, and dropped and replayed under the C++ recorder (Note
+[Recording on started threads] in csrc/torch/lineage_recorder.cpp), swap-only
+under the Python one; threads started before it are told they are not.
 """
 import gc
 import threading
@@ -11,7 +13,7 @@ import torch
 from torch import nn
 
 import membudget
-from membudget import _func_transforms
+from membudget import _func_transforms, _runtime
 from membudget._native import load_extension
 
 from models import bert, gpt2
@@ -63,14 +65,24 @@ def test_training_on_a_thread_started_after_install_is_exact_under_half_its_peak
     assert_identical(reference, unbudgeted)
     budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
 
-    # The default actions: what a started thread saves is swap-only, so it is swapped.
+    # The Python recorder stays on the install thread: a started thread swaps.
     managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
-                          min_tensor_bytes=MIN_TENSOR_BYTES)
+                          min_tensor_bytes=MIN_TENSOR_BYTES, lineage="python")
     assert_identical(reference, managed)
     stats = managed.stats
     assert stats["reserved_bytes.all.peak"] <= budget
     assert stats["swap_out_bytes"] > 0 and stats["swap_in_count"] > 0
     assert stats["recompute_count"] == 0  # no lineage off the install thread
+    assert stats["num_ooms"] == 0
+
+    # The C++ recorder records there too: recompute-only fits, replaying
+    # (GPT-2's dropout included) exactly.
+    recomputed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
+                             min_tensor_bytes=MIN_TENSOR_BYTES, lineage="cxx", actions="recompute")
+    assert_identical(reference, recomputed)
+    stats = recomputed.stats
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
     assert stats["num_ooms"] == 0
 
 
@@ -110,16 +122,123 @@ def test_a_thread_started_before_install_is_told_it_is_not_managed():
     gc.collect()
 
 
-def test_recompute_only_on_a_started_thread_says_it_is_swap_only():
-    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute")
+def test_recompute_only_on_a_started_thread_under_the_python_recorder_says_it_is_swap_only():
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute", lineage="python")
     try:
         _mlp_step()  # the install thread records lineage: fits by recomputing
         assert membudget.memory_stats()["recompute_count"] > 0
         with pytest.raises(torch.OutOfMemoryError, match="swap-only") as info:
             on_new_thread(_mlp_step)
         assert "MEMBUDGET_ACTIONS=recompute" in str(info.value)
+        assert "MEMBUDGET_LINEAGE=cxx" in str(info.value)
     finally:
         membudget.uninstall()
+    gc.collect()
+
+
+def test_recompute_only_on_a_started_thread_under_the_cxx_recorder_fits():
+    expected = _mlp_step()
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute", lineage="cxx")
+    try:
+        loss, grads = on_new_thread(_mlp_step)
+        assert membudget.memory_stats()["recompute_count"] > 0
+        assert membudget.memory_stats()["reserved_bytes.all.peak"] <= 16 * MiB
+    finally:
+        membudget.uninstall()
+    assert loss == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected[1]))
+    gc.collect()
+
+
+class _OtherThreadOps:
+    """A thread started after install() that runs a few grad-mode ops (as a
+    thread making batches with torch would) whenever asked, while the asker
+    waits: a deterministic interleaving of its recorded ops with another
+    thread's backward."""
+
+    def __init__(self):
+        self.ask, self.done, self.stop = threading.Event(), threading.Event(), False
+        self.runs = self.recorded = 0
+        self.thread = threading.Thread(target=self._serve, name="batch-maker")
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            self.ask.wait()
+            self.ask.clear()
+            if self.stop:
+                return
+            recorded = load_extension().lineage.ops_recorded()
+            (torch.ones(64, 64) * 2 + 1).sum()  # grad mode is on: recorded
+            self.recorded += load_extension().lineage.ops_recorded() - recorded
+            self.runs += 1
+            self.done.set()
+
+    def run_ops(self, *_):
+        self.done.clear()
+        self.ask.set()
+        self.done.wait()
+
+    def close(self):
+        self.stop = True
+        self.ask.set()
+        self.thread.join()
+
+
+def _inplace_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU(inplace=True)) for _ in range(8)])
+
+
+def _train_inplace_mlp(steps, other=None):
+    model = _inplace_mlp()
+    if other is not None:
+        def ask_in_backward(_module, _args, output):  # at each layer's output gradient
+            output.register_hook(other.run_ops)
+
+        for layer in model:
+            layer.register_forward_hook(ask_in_backward)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randn(2048, 256)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(batch).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_another_threads_ops_during_backward_begin_no_forward():
+    """A thread's ops recorded in the middle of another thread's backward
+    join the forward under way instead of beginning one (Note [Recording on
+    started threads]): each extra forward would release in-place writers
+    early and make what reads them swap-only. The training thread keeps its
+    lineage (recompute-only with in-place ReLUs fits) and its results."""
+    expected = _train_inplace_mlp(STEPS)
+    native = load_extension()
+    budget = 20 * MiB
+    begun, results = [], []
+    for with_other in (False, True):
+        membudget.install(budget=budget, min_tensor_bytes=64 * 1024, actions="recompute", lineage="cxx")
+        other = _OtherThreadOps() if with_other else None  # started after install(): it records
+        try:
+            forwards = native.lineage.forwards()
+            results.append(_train_inplace_mlp(STEPS, other))
+            begun.append(native.lineage.forwards() - forwards)
+            stats = membudget.memory_stats()
+        finally:
+            if other is not None:
+                other.close()
+            membudget.uninstall()
+        assert stats["recompute_count"] > 0 and stats["reserved_bytes.all.peak"] <= budget
+    assert other.runs == STEPS * 8 and other.recorded >= other.runs  # inside every layer's backward, recorded
+    assert begun[1] == begun[0], begun  # no forward more than without it
+    for got in results:
+        assert got[0] == expected[0]
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
     gc.collect()
 
 
@@ -150,27 +269,34 @@ def test_torch_func_transforms_run_on_a_started_thread():
 def test_uninstall_leaves_started_threads_working_and_new_threads_plain():
     native = load_extension()
     original_bootstrap = threading.Thread._bootstrap_inner
-    membudget.install(budget="1GiB")
+    membudget.install(budget="1GiB", lineage="cxx")
     assert threading.Thread._bootstrap_inner is not original_bootstrap
     installed, go, seen = threading.Event(), threading.Event(), {}
 
     def lives_across_uninstall():
         seen["hooks"] = _hooks_on_this_thread()
+        seen["recording"] = native.lineage.recording()
         installed.set()
         go.wait()
-        # After uninstall its hooks pass tensors through; a transform still runs.
+        # After uninstall its hooks pass tensors through, its callback
+        # records nothing, and a transform still runs.
+        recorded = native.lineage.ops_recorded()
         seen["loss"], _ = _mlp_step()
+        seen["recorded after uninstall"] = native.lineage.ops_recorded() - recorded
         seen["transform"] = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
+        seen["recording at the end"] = native.lineage.recording()
 
     worker = threading.Thread(target=lives_across_uninstall)
     worker.start()
     installed.wait()
     membudget.uninstall()
     assert threading.Thread._bootstrap_inner is original_bootstrap
-    assert seen["hooks"] == (native.pack, native.unpack)
+    assert seen["hooks"] == _runtime._hooks_for_native_recorder(native) and seen["recording"]
     assert on_new_thread(_hooks_on_this_thread) is None  # started after uninstall: plain
     go.set()
     worker.join()
+    assert seen["recorded after uninstall"] == 0 and seen["recording at the end"]
+    assert not on_new_thread(native.lineage.recording)
     assert seen["loss"] == _mlp_step()[0]
     assert torch.equal(seen["transform"], torch.ones(3).cos())
     # The last started thread ended: torch has its own context manager back.

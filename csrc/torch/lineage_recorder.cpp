@@ -117,6 +117,33 @@ using Clock = std::chrono::steady_clock;
 // held inputs go at the next backward's forward, one forward later.
 std::atomic<bool> g_out_of_memory{false};
 
+// Note [Recording on started threads]: a training step on a thread started
+// after install() (Note [Threads started after install()] in _runtime.py)
+// records too: that thread starts its own callback (start_on_this_thread),
+// into the one RecorderState. Before this its activations were swap-only,
+// and recompute-only runs out of memory. The graph itself does not care
+// which thread made a node: nodes point at the storages they read, and a
+// replay is exact whichever thread recorded what it runs. What is per
+// forward is the bookkeeping: a forward begins at the first op recorded
+// after an unpack (in_backward), and two forwards back its in-place writers
+// are released. With two threads, a thread's op could begin a forward in the
+// middle of another's backward (an unpack sets in_backward, a data thread's
+// torch.stack follows); every such extra boundary releases writers a
+// forward sooner and rescues (makes resident and swap-only) what still
+// needed them, so a thread that makes batches beside the training thread
+// would have turned the training thread's activations swap-only. So only
+// the thread that packed last (RecorderState::packer: the one training) may
+// begin a forward, or any thread once no entry autograd holds is left, when
+// an extra boundary releases nothing anyone needs. Other threads' ops are
+// recorded into the forward under way, which only lengthens what it holds
+// until the next one begins. Two threads that train at once do split each
+// other's forwards; results stay exact, and what a rescue made swap-only
+// costs memory (recompute-only may then run out: the tests train one thread
+// at a time). uninstall() stops the callback of the thread that called
+// install(); a started thread's callback stays until its run() ends, so
+// g_active (set by start(), cleared by stop()) is what it records under.
+std::atomic<bool> g_active{false};
+
 // Forwards whose writer nodes are kept (Note [Lineage ownership]): this one
 // and the previous, whose saved tensors backward may still hold.
 constexpr int64_t kForwardsKept = 2;
@@ -632,9 +659,16 @@ void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue
   deferred.run(s);
 }
 
+// Whether an op recorded on this thread after an unpack may begin a forward
+// (Note [Recording on started threads]). Holds the lock.
+bool may_begin_forward(const RecorderState& s) {
+  return s.packer == std::thread::id() || s.packer == std::this_thread::get_id() ||
+         !any_entry_saved_for_backward();
+}
+
 void begin_op(const at::RecordFunction& fn, size_t slot) {
   const bool in_copier = t_blocking == 1 && slot > 0 && copies_its_input(t_frames[slot - 1]);
-  if ((t_blocking > 0 && !in_copier) || t_paused || !t_recording ||
+  if ((t_blocking > 0 && !in_copier) || t_paused || !t_recording || !g_active.load(std::memory_order_relaxed) ||
       c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) {
     // Nested in an op that ran whole (Note [Recorded granularity]), a replay,
     // or code that hides its ops from dispatch modes (torch.tensor(data)).
@@ -666,7 +700,8 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
   Deferred deferred;  // Note [Recorder lock and the GIL]
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    if (take_out_of_memory() || s.in_backward) begin_forward(s, deferred);  // Note [A forward that ran out of memory]
+    // Note [A forward that ran out of memory]; Note [Recording on started threads].
+    if (take_out_of_memory() || (s.in_backward && may_begin_forward(s))) begin_forward(s, deferred);
     ++s.op_index;
     ++s.ops_recorded;
     if (info->kind == OpKind::kView) {
@@ -811,6 +846,11 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
 // op ends, after its writes and outputs are recorded.
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
+  if (t_recording && torch::autograd::get_current_graph_task_id() == -1) {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    s.packer = std::this_thread::get_id();  // Note [Recording on started threads]
+  }
   for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
     if (frame->node != nullptr) {
       frame->packed.emplace_back(entry_id, tensor);
@@ -833,6 +873,8 @@ RecorderState& state() {
   static auto* recorder = new RecorderState();  // leaked: ops may run during interpreter exit
   return *recorder;
 }
+
+bool records_on_this_thread() { return t_handle.has_value() && g_active.load(std::memory_order_relaxed); }
 
 PauseRecording::PauseRecording() : previous_(t_paused) { t_paused = true; }
 PauseRecording::~PauseRecording() { t_paused = previous_; }
@@ -876,15 +918,10 @@ void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& relea
   s.in_backward = true;
 }
 
-void start_recording() {
+// This thread's callback on (its frames and flags fresh); what is recorded
+// is unchanged.
+void start_on_this_thread() {
   if (t_handle) throw std::runtime_error("membudget: the C++ lineage recorder is already on for this thread");
-  RecorderState& s = state();
-  std::vector<std::shared_ptr<void>> released;  // dropped after the lock
-  {
-    std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    forget_unneeded(s, released);
-    s.ops_recorded = 0;
-  }
   t_frames.clear();
   t_blocking = 0;
   reset_function_forwards();
@@ -896,7 +933,21 @@ void start_recording() {
                                             .scopes({at::RecordScope::FUNCTION}));
 }
 
-void stop_recording() {
+void start_recording() {
+  start_on_this_thread();
+  RecorderState& s = state();
+  std::vector<std::shared_ptr<void>> released;  // dropped after the lock
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    forget_unneeded(s, released);
+    s.ops_recorded = 0;
+    s.packer = std::thread::id();
+  }
+  g_active.store(true);
+}
+
+// This thread's callback off; what is recorded is unchanged.
+void stop_on_this_thread() {
   if (!t_handle) return;
   at::removeCallback(*t_handle);
   t_handle.reset();
@@ -904,6 +955,12 @@ void stop_recording() {
   t_blocking = 0;
   reset_function_forwards();
   t_recording = false;
+}
+
+void stop_recording() {
+  if (!t_handle) return;
+  stop_on_this_thread();
+  g_active.store(false);
   RecorderState& s = state();
   std::vector<std::shared_ptr<void>> released;  // dropped after the lock
   std::lock_guard<std::recursive_mutex> lock(s.mutex);
@@ -917,6 +974,11 @@ void bind_lineage(pybind11::module_& m) {
   sub.def("start", &start_recording,
           "Record this thread's forward ops from C++ until stop() (Note [C++ lineage recorder]).");
   sub.def("stop", &stop_recording, "Stop recording on this thread and forget unmanaged lineage.");
+  sub.def("start_on_this_thread", &start_on_this_thread,
+          "Record this thread's forward ops too, while the recorder is started (a thread started after "
+          "install(): Note [Recording on started threads]).");
+  sub.def("stop_on_this_thread", &stop_on_this_thread,
+          "Stop recording on this thread (a started thread's end); what was recorded is kept.");
   sub.def("recording", [] { return t_handle.has_value(); }, "Whether this thread records.");
   bind_function_forwards(sub);
   sub.def("set_enabled", [](bool enabled) {
@@ -950,6 +1012,11 @@ void bind_lineage(pybind11::module_& m) {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     return s.ops_recorded;
   }, "Forward ops recorded (views included) since start().");
+  sub.def("forwards", [] {
+    RecorderState& s = state();
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    return s.forward;
+  }, "Forwards begun since the process started (tests: Note [Recording on started threads]).");
   sub.def("note_backward", [] {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

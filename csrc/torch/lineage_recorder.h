@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -38,12 +39,16 @@ double roofline_seconds(const RooflineModel& model, const OpInfo& info, const st
                         const std::vector<c10::IValue>& outputs);
 
 // Everything the recorder knows; one per process. Recording happens on the
-// thread that called start(); pack, unpack and replays may come from other
-// threads (CUDA backward), so public entry points take mutex.
+// thread that called start() and on threads started after install() (Note
+// [Recording on started threads]); pack, unpack and replays may come from
+// other threads (CUDA backward), so public entry points take mutex.
 struct RecorderState {
   std::recursive_mutex mutex;
   int64_t forward = 0;        // generation of the forward being recorded
   bool in_backward = true;    // the next recorded op begins a forward
+  // The recording thread that last packed an activation, whose forward the
+  // generations follow (Note [Recording on started threads]); none yet: id().
+  std::thread::id packer;
   int64_t op_index = 0;       // ops of this forward (views included)
   int64_t ops_recorded = 0;   // since start()
   uint64_t epoch = 1;         // closures memoised before a sweep are stale
@@ -149,6 +154,9 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key);
 void make_swap_only(const std::vector<uint64_t>& entry_ids);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);
+// Whether this thread's forward ops are being recorded (its callback is on
+// and the recorder started): a started thread's out-of-memory note asks.
+bool records_on_this_thread();
 // Pauses recording on this thread while alive (replays).
 class PauseRecording {
  public:

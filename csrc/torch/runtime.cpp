@@ -208,11 +208,13 @@ std::string unmanaged_thread_note() {
   if (at::SavedTensorDefaultHooks::get_hooks().has_value()) {
     Runtime* runtime = Runtime::get();
     if (t_started_after_install == StartedThread::kManaged && runtime != nullptr &&
-        runtime->config().actions == "recompute") {
+        !AllowedActions::parse(runtime->config().actions).swap &&
+        !lineage::records_on_this_thread()) {
       return " This allocation came from a thread started after install(): activations saved on it are "
-             "managed but swap-only (lineage is recorded on the thread that called install() only), and "
-             "MEMBUDGET_ACTIONS=recompute cannot release them; allow swapping (MEMBUDGET_ACTIONS=both) or run "
-             "the training step on the thread that called install().";
+             "managed but swap-only (the Python lineage recorder, MEMBUDGET_LINEAGE=python and the default "
+             "on CUDA, records on the thread that called install() only), and MEMBUDGET_ACTIONS=recompute "
+             "cannot release them; allow swapping (MEMBUDGET_ACTIONS=both), record with "
+             "MEMBUDGET_LINEAGE=cxx, or run the training step on the thread that called install().";
     }
     return "";
   }

@@ -50,7 +50,7 @@ __all__ = ["allow_transforms", "allow_transforms_on_started_thread", "started_th
 _original: Optional[Callable] = None      # torch's context manager while ours stands in
 _thread: Optional[int] = None             # the install thread
 _hooks: Optional[Tuple[Callable, Callable]] = None  # membudget's (pack, unpack)
-_started_hooks: Optional[Tuple[Callable, Callable]] = None  # pushed by threads started after install()
+_started_here = threading.local()         # .hooks: what a thread started after install() pushed
 _started_alive = 0                        # how many of those threads have not ended
 _lock = threading.Lock()
 
@@ -86,7 +86,7 @@ def _ours_here() -> Optional[Tuple[Callable, Callable]]:
     hooks = _hooks
     if threading.get_ident() == _thread and _on_top(hooks):
         return hooks
-    started = _started_hooks
+    started = getattr(_started_here, "hooks", None)
     if started is not None and _on_top(started):
         return started
     return None
@@ -151,10 +151,10 @@ def allow_transforms(pack: Callable, unpack: Callable) -> None:
 def allow_transforms_on_started_thread(pack: Callable, unpack: Callable) -> None:
     """The same for a thread started after install(), which has just pushed
     ``pack``/``unpack``; pair with :func:`started_thread_ended`."""
-    global _started_hooks, _started_alive
+    global _started_alive
+    _started_here.hooks = (pack, unpack)
     with _lock:
         _stand_in()
-        _started_hooks = (pack, unpack)
         _started_alive += 1
 
 
@@ -163,6 +163,7 @@ def started_thread_ended() -> None:
     once none is left and membudget is uninstalled, torch's own context
     manager is back."""
     global _started_alive
+    _started_here.hooks = None
     with _lock:
         _started_alive -= 1
         if _started_alive == 0 and _thread is None:
@@ -170,11 +171,10 @@ def started_thread_ended() -> None:
 
 
 def _restore_original() -> None:
-    global _original, _started_hooks
+    global _original
     if _original is not None:
         _graph.disable_saved_tensors_hooks = _original
     _original = None
-    _started_hooks = None
 
 
 def restore() -> None:

@@ -23,11 +23,17 @@ ran out of memory at any budget below its plain peak. While installed, every
 ``threading.Thread`` pushes membudget's native hooks as it starts, before its
 ``run()``, so they sit at the bottom of its hook stack and no ``with`` block of
 its own can pop them (``threading.Thread._bootstrap_inner`` is wrapped; it
-runs on the new thread). The lineage recorder stays on the install thread
-alone: it is fed from one thread, and two forwards recorded at once would
-interleave in one graph. So what those threads save is managed but
-swap-only: swapped exactly, never dropped; under ``MEMBUDGET_ACTIONS=recompute``
-their error says so. Daemon threads are left unmanaged (their error says
+runs on the new thread). With the C++ lineage recorder (the default on the
+CPU) such a thread also starts the recorder's callback for itself and pushes
+the same hooks as the install thread, so its forward is recorded and what it
+saves can be dropped and replayed (Note [Recording on started threads] in
+csrc/torch/lineage_recorder.cpp says how forwards from several threads share
+one recorder); its callback stops as its ``run()`` ends. The Python
+recorder's mode stays on the install thread alone (its state, its parking
+around optimizer steps and its checkpoint-region handling are that
+thread's), so under it what those threads save is managed but swap-only:
+swapped exactly, never dropped; under ``MEMBUDGET_ACTIONS=recompute`` their
+error says so. Daemon threads are left unmanaged (their error says
 so): torch holds the pushed hooks in the thread's C++ thread-locals, and a
 daemon thread still alive as the interpreter exits (tqdm's monitor, which
 transformers starts) is stopped as it next takes the GIL, and its
@@ -77,7 +83,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -98,6 +104,11 @@ _rearm_hook = None                   # the module pre-hook's handle, while parke
 _optimizer_hooks = None              # the global optimizer step hooks' handles, while recording
 _parking_allowed = True              # whether optimizer steps park the mode (benchmarks turn it off)
 _thread_bootstrap = None             # threading.Thread._bootstrap_inner as it was, while wrapped
+# What a thread started after install() pushes, and whether it records with
+# the C++ recorder (Note [Threads started after install()]); set by install().
+_started_thread_hooks: Optional[Tuple[Callable, Callable]] = None
+_started_threads_record = False
+_native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
 
 
 def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -182,9 +193,11 @@ def install(
     (``torch._dynamo.reset()``). :func:`membudget.compiled_plans` lists what
     was planned.
 
-    Saved activations are managed on this thread and, swap-only, on every
-    non-daemon ``threading.Thread`` started from here on (Note [Threads
-    started after install()]); call :func:`uninstall` from this thread.
+    Saved activations are managed on this thread and on every non-daemon
+    ``threading.Thread`` started from here on, where they are also dropped
+    and replayed under the C++ recorder and only swapped under the Python
+    one (Note [Threads started after install()]); call :func:`uninstall`
+    from this thread.
 
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
@@ -266,6 +279,7 @@ def _manage_threads_started_from_now() -> None:
             original(thread)
         finally:
             if pushed:
+                load_extension().lineage.stop_on_this_thread()  # a no-op where it did not record
                 _pop_hooks_of_ending_thread()
                 _func_transforms.started_thread_ended()
 
@@ -282,9 +296,12 @@ def _push_hooks_on_started_thread(thread: threading.Thread) -> bool:
         if thread.daemon:
             native.note_thread_started_after_install(False)
             return False
-        torch._C._autograd._push_saved_tensors_default_hooks(native.pack, native.unpack)
+        pack, unpack = _started_thread_hooks or (native.pack, native.unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
         native.note_thread_started_after_install(True)
-        _func_transforms.allow_transforms_on_started_thread(native.pack, native.unpack)
+        _func_transforms.allow_transforms_on_started_thread(pack, unpack)
+        if _started_threads_record:
+            native.lineage.start_on_this_thread()  # Note [Recording on started threads]
         return True
     except Exception as error:  # pragma: no cover - defensive: a thread must start whatever happens
         import warnings
@@ -335,7 +352,8 @@ def _cuda_device_model(device: torch.device):
 
 def _push_hooks(native, config: Config, plan, device: torch.device, recording: bool) -> None:
     """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
-    global _lineage, _lineage_mode
+    global _lineage, _lineage_mode, _started_thread_hooks, _started_threads_record
+    _started_thread_hooks, _started_threads_record = (native.pack, native.unpack), False
     # Without a budget nothing is ever evicted: recording lineage would only
     # cost time (and the unmanaged peak is measured this way).
     if not recording:
@@ -408,11 +426,34 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
     boxing). Optimizer steps are not parked: they run under ``no_grad``,
     which the callback checks first, and a step that raised would otherwise
     leave the next forward unrecorded."""
-    global _lineage
+    global _lineage, _started_thread_hooks, _started_threads_record
     from .lineage import hide_from_dynamo
     from .lineage_native import NativeLineage
 
     lineage = NativeLineage(native, plan, _cuda_device_model(device) if device.type == "cuda" else None)
+    pack, unpack = _hooks_for_native_recorder(native)
+    recompute = _recompute_callback(device, lineage.rebuild, lineage.rebuild_on_stream)
+
+    for function in (recompute, _release_lineage_at_step):
+        hide_from_dynamo(function)
+    native.set_recompute_callback(recompute)
+    _push_saved_tensor_hooks(pack, unpack)
+    lineage.start()
+    _lineage = lineage
+    _started_thread_hooks, _started_threads_record = (pack, unpack), True
+    _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
+
+
+def _hooks_for_native_recorder(native) -> Tuple[Callable, Callable]:
+    """The saved-tensor hooks that feed the C++ recorder: made once per
+    process, since threads started under one install keep them through
+    later ones and they are told apart by identity
+    (:func:`membudget._func_transforms._ours_here`)."""
+    global _native_recorder_hooks
+    if _native_recorder_hooks is not None:
+        return _native_recorder_hooks
+    from .lineage import hide_from_dynamo
+
     handle_type = native.SavedActivation
     native_pack, native_unpack = native.pack, native.unpack
     on_pack, note_unpack = native.lineage.on_pack, native.lineage.note_backward
@@ -427,15 +468,10 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
         note_unpack()
         return native_unpack(handle)
 
-    recompute = _recompute_callback(device, lineage.rebuild, lineage.rebuild_on_stream)
-
-    for function in (pack, unpack, recompute, _release_lineage_at_step):
-        hide_from_dynamo(function)
-    native.set_recompute_callback(recompute)
-    _push_saved_tensor_hooks(pack, unpack)
-    lineage.start()
-    _lineage = lineage
-    _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
+    hide_from_dynamo(pack)
+    hide_from_dynamo(unpack)
+    _native_recorder_hooks = (pack, unpack)
+    return _native_recorder_hooks
 
 
 def _mode_on_top(mode) -> bool:
@@ -451,7 +487,7 @@ def _without_lineage_mode(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         mode = _lineage_mode
-        if mode is None and _lineage is not None and threading.get_ident() == _hooks_thread:
+        if mode is None and _lineage is not None and _lineage.records_here():
             return _lineage.without_recording(function, args, kwargs)  # the C++ recorder
         if mode is None or threading.get_ident() != _hooks_thread or not _mode_on_top(mode):
             return function(*args, **kwargs)
@@ -464,9 +500,12 @@ def _without_lineage_mode(function):
 def _release_lineage_at_step(optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: the step ends a training step, the
     recorder may let go of what its last forward held (Note [Lineage
-    released between steps] in ``lineage.py``)."""
-    if _lineage is not None and threading.get_ident() == _hooks_thread:
-        _lineage.release_if_idle()
+    released between steps] in ``lineage.py``): on the install thread, or
+    on any thread the C++ recorder records (its state is shared and locked)."""
+    lineage = _lineage
+    if lineage is not None and (threading.get_ident() == _hooks_thread
+                                or (_lineage_mode is None and lineage.records_here())):
+        lineage.release_if_idle()
 
 
 def _park_for_step(optimizer, args, kwargs) -> None:

@@ -4,13 +4,16 @@ Where this sits in the flow: with recomputation allowed, ``install()``
 (:mod:`membudget._runtime`) creates either the Python recorder
 (:class:`membudget.lineage.Lineage` under a ``TorchDispatchMode``, the
 reference) or this one. Forward ops are recorded by a thread-local
-``at::RecordFunction`` callback on the thread that called ``install()``, and
+``at::RecordFunction`` callback on the thread that called ``install()`` (and
+on threads started after it: Note [Recording on started threads]), and
 the pack-time closure and the replay run in C++ too (Note [C++ lineage
 recorder] in csrc/torch/lineage_recorder.cpp): what is left here is the
 glue the pack hook, the unpack hook and the recompute callback need, with
 the same interface as :class:`~membudget.lineage.Lineage` for them.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -30,10 +33,13 @@ class NativeLineage:
         # For CUDA: a costs.DeviceModel whose roofline floors each recorded
         # op's cost (Note [Roofline floor on CUDA] in lineage_roofline.cpp).
         self.device_model = device_model
-        self._suspended = 0  # nesting of without_recording (autograd.grad inside backward hooks)
+        # Per thread (threads started after install() record too): .depth is
+        # the nesting of without_recording (autograd.grad inside backward hooks).
+        self._suspended = threading.local()
 
     def start(self) -> None:
-        """Starts recording on the calling thread."""
+        """Starts recording on the calling thread (and on threads started
+        after install(), which start their own callbacks)."""
         if self.plan is not None:
             plan, native = self.plan, self.native
 
@@ -57,15 +63,22 @@ class NativeLineage:
         """``function(*args, **kwargs)`` with this thread's callback off
         (``backward()``, ``autograd.grad()``; Note [Backward without the
         lineage mode] in ``_runtime.py``)."""
-        self._suspended += 1
-        if self._suspended == 1:
+        depth = getattr(self._suspended, "depth", 0)
+        self._suspended.depth = depth + 1
+        if depth == 0:
             self.recorder.set_enabled(False)
         try:
             return function(*args, **kwargs)
         finally:
-            self._suspended -= 1
-            if self._suspended == 0:
+            self._suspended.depth = depth
+            if depth == 0:
                 self.recorder.set_enabled(True)
+
+    def records_here(self) -> bool:
+        """Whether the calling thread's forward ops are recorded: the
+        install thread's, or a thread started after install() (Note
+        [Recording on started threads] in lineage_recorder.cpp)."""
+        return self.recorder.recording()
 
     @property
     def ops_recorded(self) -> int:
