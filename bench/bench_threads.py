@@ -1,16 +1,19 @@
 """A training step on another thread under a budget, side by side in one
 process (Note [Threads started after install()] in
 python/membudget/_runtime.py): the same seeded run on the thread that called
-``install()`` (swap-only, as other threads are), on a ``threading.Thread``
-and on a ``ThreadPoolExecutor`` worker started after it, and on a thread
-started before it (unmanaged: expected to run out of memory).
+``install()``, on a ``threading.Thread`` and on a ``ThreadPoolExecutor``
+worker started after it, swap-only and recompute-only (the C++ recorder
+records on started threads: Note [Recording on started threads]; the
+Python one does not, so that row is expected to run out of memory), and on
+a thread started before it (unmanaged: expected to run out of memory).
 
 The budget is a fraction of the peak reserved bytes of an unbudgeted managed
 run. Each row: whether the run fits, its peak reserved bytes, the bytes it
-swapped out, its median step time over the timed steps and that median over
-the first row's (plain PyTorch on this thread; the next two are plain
-PyTorch on started threads, what the thread itself costs). Adam, one warm-up step, then the timed steps; the
-losses of every run that fits are checked equal to plain PyTorch's.
+swapped out, its replays, its median step time over the timed steps and that
+median over the first row's (plain PyTorch on this thread; the next two are
+plain PyTorch on started threads, what the thread itself costs). Adam, one
+warm-up step, then the timed steps; the losses of every run that fits are
+checked equal to plain PyTorch's.
 
     PYTHONPATH=python python bench/bench_threads.py [--models mlp,gpt2]
         [--fraction 0.5] [--steps 5]
@@ -93,7 +96,8 @@ def _plain(name: str, steps: int, runner):
     """The run with nothing of membudget installed: what the thread itself costs."""
     gc.collect()
     losses, times = runner(lambda: _train(name, steps))
-    return {"fits": True, "losses": losses, "peak": float("nan"), "swapped": 0, "step": statistics.median(times)}
+    return {"fits": True, "losses": losses, "peak": float("nan"), "swapped": 0, "replays": 0,
+            "step": statistics.median(times)}
 
 
 def _measure(name: str, steps: int, budget, runner, **install):
@@ -111,7 +115,8 @@ def _measure(name: str, steps: int, budget, runner, **install):
     membudget.uninstall()
     gc.collect()
     return {"fits": fits, "losses": losses, "peak": stats["reserved_bytes.all.peak"],
-            "swapped": stats["swap_out_bytes"], "step": statistics.median(times) if times else float("nan")}
+            "swapped": stats["swap_out_bytes"], "replays": stats["recompute_count"],
+            "step": statistics.median(times) if times else float("nan")}
 
 
 def main() -> None:
@@ -121,15 +126,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     print(f"torch {torch.__version__}; budget {args.fraction:.0%} of each model's unbudgeted managed peak")
-    print(f"{'model':6} {'where':34} {'fits':5} {'peak MiB':>9} {'budget':>8} {'swapped MiB':>12} "
-          f"{'step ms':>8} {'ratio':>6}")
+    print(f"{'model':6} {'where':44} {'fits':5} {'peak MiB':>9} {'budget':>8} {'swapped MiB':>12} "
+          f"{'replays':>8} {'step ms':>8} {'ratio':>6}")
     for name in args.models.split(","):
         early = _WaitingThread(daemon=True)  # started before this model's installs; never holds up exit
         peak = _measure(name, 1, None, _here)["peak"]
         budget = int(peak * args.fraction)
-        rows = [("install thread (actions=swap)", _here, {"actions": "swap"}),
-                ("threading.Thread started after", _started_thread, {}),
-                ("ThreadPoolExecutor worker after", _pool_worker, {}),
+        swap, recompute = {"actions": "swap"}, {"actions": "recompute", "lineage": "cxx"}
+        rows = [("install thread, swap", _here, swap),
+                ("threading.Thread started after, swap", _started_thread, swap),
+                ("ThreadPoolExecutor worker after, swap", _pool_worker, swap),
+                ("install thread, recompute", _here, recompute),
+                ("threading.Thread started after, recompute", _started_thread, recompute),
+                ("ThreadPoolExecutor worker after, recompute", _pool_worker, recompute),
+                ("threading.Thread after, recompute, Python", _started_thread,
+                 {"actions": "recompute", "lineage": "python"}),
                 ("thread started before install()", early, {})]
         reference = None
         measured = [("plain, this thread", _plain(name, args.steps, _here)),
@@ -142,8 +153,9 @@ def main() -> None:
             if row["fits"] and row["losses"] != reference["losses"]:
                 raise SystemExit(f"{name} {where}: losses differ from plain PyTorch's")
             ratio = row["step"] / reference["step"] if row["fits"] else float("nan")
-            print(f"{name:6} {where:34} {str(row['fits']):5} {row['peak'] / MiB:9.1f} {budget / MiB:8.1f} "
-                  f"{row['swapped'] / MiB:12.1f} {row['step'] * 1e3:8.1f} {ratio:6.3f}", flush=True)
+            print(f"{name:6} {where:44} {str(row['fits']):5} {row['peak'] / MiB:9.1f} {budget / MiB:8.1f} "
+                  f"{row['swapped'] / MiB:12.1f} {row['replays']:8d} {row['step'] * 1e3:8.1f} {ratio:6.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
