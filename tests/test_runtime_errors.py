@@ -274,9 +274,12 @@ def test_oom_under_recompute_only_names_what_it_cannot_release():
         _gradient_penalty_step()
     message = str(info.value)
     match = re.search(r"evictable (\S+ \S+) \(.*?; (\S+ \S+) of it not recomputable, which "
-                      r"MEMBUDGET_ACTIONS=recompute cannot release: allow swap\)", message)
+                      r"MEMBUDGET_ACTIONS=recompute cannot release: allow swap \[(.*?)\]\)", message)
     assert match, message
     assert match.group(2) != "0 B" and match.group(1) == match.group(2), message
+    # Why (Note [Why not recomputable]): saved during backward, where nothing records.
+    assert match.group(3) == f"{match.group(2)}: no lineage reached it (saved in backward, under no_grad, in a " \
+                             "compiled region, on a thread that does not record, or written where nothing records)"
     del info
     membudget.uninstall()
     gc.collect()
@@ -287,6 +290,79 @@ def test_oom_under_recompute_only_names_what_it_cannot_release():
     stats = membudget.memory_stats()
     assert stats["reserved_bytes.all.peak"] <= budget
     assert stats["swap_out_bytes"] > 0
+
+
+def test_oom_under_recompute_only_tells_unrecomputable_bytes_apart_by_reason():
+    """The reasons the recorders give with each entry they cannot replay
+    (Note [Why not recomputable]) are summed by reason, largest first."""
+    native = load_extension()
+    membudget.install(budget=8 * MiB, actions="recompute", min_tensor_bytes=64 * 1024)
+    try:
+        handles = []
+        for reason in ("reason A", "reason A", "reason B", ""):
+            tensor = torch.ones(MiB // 4)  # 1 MiB, held by its handle alone
+            handles.append(native.pack(tensor))
+            del tensor
+            native.set_recompute_info(handles[-1].entry_id, False, 0.0, [], reason)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(6 * MiB, dtype=torch.uint8)
+        message = str(info.value)
+        assert "4.00 MiB of it not recomputable" in message, message
+        reasons = re.search(r"allow swap \[(.*?)\]\)", message).group(1).split("; ")
+        assert reasons[0] == "2.00 MiB: reason A", message
+        assert sorted(reasons[1:]) == ["1.00 MiB: no lineage reached it (saved in backward, under no_grad, in a "
+                                       "compiled region, on a thread that does not record, or written where "
+                                       "nothing records)", "1.00 MiB: reason B"], message
+        del info, handles
+    finally:
+        membudget.uninstall()
+    gc.collect()
+
+
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
+    """A weight written under no_grad between forward and backward makes
+    what its replay would read swap-only (a rescue); the out-of-memory
+    message that follows says so, under either recorder."""
+    membudget.install(budget=24 * MiB, actions="recompute", lineage=lineage, min_tensor_bytes=64 * 1024)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Sigmoid())
+        loss = model(torch.randn(1024, 256)).square().mean()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(24 * MiB, dtype=torch.uint8)
+        message = str(info.value)
+        assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
+            in message, message
+        del info, loss, model
+    finally:
+        membudget.uninstall()
+    gc.collect()
+
+
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_oom_under_recompute_only_names_a_split_storage_as_the_reason(lineage):
+    """A CPU GRU cell splits its gates with unsafe_split and writes them in
+    place: such storages are swap-only (Note [One history per storage]), and
+    recompute-only runs out of memory saying so, with the op."""
+    membudget.install(budget=6 * MiB, actions="recompute", lineage=lineage, min_tensor_bytes=16 * 1024)
+    try:
+        torch.manual_seed(0)
+        cell = nn.GRUCell(128, 128)
+        hidden = torch.zeros(256, 128)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            for _ in range(40):
+                hidden = cell(torch.randn(256, 128), hidden)
+            hidden.sum().backward()
+        message = str(info.value)
+        assert re.search(r"MiB: its storage has several histories \(outputs of unsafe_split or unsafe_chunk "
+                         r"written in place\) at aten(::|\.)\w+", message), message
+        del info, hidden, cell
+    finally:
+        membudget.uninstall()
+    gc.collect()
 
 
 @pytest.mark.parametrize("budget, actions", [(None, "swap"), (256 * MiB, "both"), (256 * MiB, "recompute")])

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "event.h"
@@ -93,6 +94,9 @@ class ResidencyEntry {
   uint64_t pack_seq_ = 0;     // order of first pack within its iteration
   // Recompute (Note [Recompute]); set by set_recompute_info.
   bool recomputable_ = false;
+  // Why not, as the binding put it (Note [Why not recomputable]); empty
+  // while nothing was declared: no lineage reached it.
+  std::string unrecomputable_reason_;
   double replay_seconds_ = 0.0;         // its own replay, down to live or managed inputs
   std::vector<uint64_t> inputs_;        // ids of managed entries the replay reads
   std::vector<uint64_t> dependents_;    // ids of entries whose replay reads this one

@@ -5,6 +5,9 @@
 #include <chrono>
 #include <cstdio>
 #include <limits>
+#include <map>
+#include <string>
+#include <utility>
 
 #include "core/units.h"
 
@@ -649,6 +652,30 @@ void ResidencyManager::reset_prediction() {
   mean_unpack_interval_s_ = 0.0;
 }
 
+namespace {
+
+// " [6.00 MiB: reason; 2.00 MiB: reason]", largest first, at most three
+// (Note [Why not recomputable]).
+std::string describe_reasons(const std::map<std::string, size_t>& by_reason) {
+  std::vector<std::pair<size_t, std::string>> ranked;
+  for (const auto& [reason, bytes] : by_reason) {
+    ranked.emplace_back(bytes, reason.empty() ? "no lineage reached it (saved in backward, under no_grad, in a "
+                                                "compiled region, on a thread that does not record, or written "
+                                                "where nothing records)"
+                                              : reason);
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  constexpr size_t kShown = 3;
+  std::string text = " [";
+  for (size_t i = 0; i < ranked.size() && i < kShown; ++i) {
+    text += (i > 0 ? "; " : "") + format_bytes(ranked[i].first) + ": " + ranked[i].second;
+  }
+  if (ranked.size() > kShown) text += "; " + std::to_string(ranked.size() - kShown) + " more reasons";
+  return text + "]";
+}
+
+}  // namespace
+
 std::string ResidencyManager::describe_evictable() const {
   // May be called while the allocator builds an OOM message: never wait here.
   std::unique_lock<std::recursive_mutex> lock(mutex_, std::try_to_lock);
@@ -659,11 +686,19 @@ std::string ResidencyManager::describe_evictable() const {
   // with "evictable 19 MiB" read as membudget failing to evict (GPT-2 with
   // a gradient penalty, whose double-backward graph is saved during
   // backward, where no lineage is recorded).
+  //
+  // Note [Why not recomputable]: "8.00 MiB of it not recomputable" left the
+  // user to guess which op or which pattern made it so (an in-place write,
+  // a part of a split storage, a step on a thread that does not record). The
+  // binding gives a reason with each declaration that an entry cannot be
+  // replayed, and the bytes are told apart by reason, largest first.
   size_t unreleasable = 0;
+  std::map<std::string, size_t> by_reason;
   if (!allowed_.swap) {
     for (const ResidencyEntry* entry : entries_) {
       if (is_evictable(entry) && entry->state_ == Residency::resident && !entry->recomputable_) {
         unreleasable += entry->bytes();
+        by_reason[entry->unrecomputable_reason_] += entry->bytes();
       }
     }
   }
@@ -671,7 +706,8 @@ std::string ResidencyManager::describe_evictable() const {
                      format_bytes(s.evictable_host_backed_bytes) + " already on host" +
                      (unreleasable > 0 ? "; " + format_bytes(unreleasable) +
                                              " of it not recomputable, which MEMBUDGET_ACTIONS=recompute cannot "
-                                             "release: allow swap" : std::string()) +
+                                             "release: allow swap" + describe_reasons(by_reason)
+                                       : std::string()) +
                      "), in use by autograd/forward " +
                      format_bytes(s.in_use_bytes) + ", swapped to host " + format_bytes(s.host_bytes) +
                      ", dropped for recompute " + format_bytes(s.dropped_bytes) +

@@ -163,9 +163,11 @@ class ResidencyManager final : public Evictor {
 
   // Declares how the binding could rebuild the entry: whether it can be
   // replayed at all, what its own replay costs, and which managed entries
-  // (by id) the replay reads. Until called, an entry is swap-only.
+  // (by id) the replay reads; when it cannot, `reason` says why for the
+  // out-of-memory message (Note [Why not recomputable]). Until called, an
+  // entry is swap-only.
   void set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
-                          const std::vector<uint64_t>& input_ids);
+                          const std::vector<uint64_t>& input_ids, std::string reason = {});
   // A static plan wants this entry dropped (not stashed): it is dropped as
   // soon as nothing else references it. Returns false when it cannot be
   // (not recomputable, or recomputation not allowed by the actions).

@@ -33,10 +33,11 @@ ResidencyEntry* ResidencyManager::find(uint64_t id) const {
 }
 
 void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
-                                          const std::vector<uint64_t>& input_ids) {
+                                          const std::vector<uint64_t>& input_ids, std::string reason) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!entry->registered_) return;
   entry->recomputable_ = recomputable;
+  entry->unrecomputable_reason_ = recomputable ? std::string() : std::move(reason);
   entry->replay_seconds_ = std::max(replay_seconds, 0.0);
   entry->inputs_.clear();
   for (uint64_t id : input_ids) {

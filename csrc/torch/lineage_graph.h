@@ -96,6 +96,10 @@ struct OpNode {
 struct Closure {
   bool ok = false;
   double seconds = 0.0;
+  // When not ok: the first obstacle found and the op it was found at (Note
+  // [Why not recomputable] in csrc/core/residency_manager.cpp); static text.
+  const char* why = nullptr;
+  const OpInfo* blame = nullptr;
   std::vector<uint64_t> deps;        // managed entries read (sorted)
   std::vector<uintptr_t> externals;  // external storages read (sorted)
 };

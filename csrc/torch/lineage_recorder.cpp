@@ -286,7 +286,7 @@ void begin_forward(RecorderState& s, Deferred& deferred) {
       const std::shared_ptr<StorageLineage>& lineage = s.by_entry.at(entry_id);
       if (!closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0)->ok) {
         s.swap_only_entries.insert(entry_id);
-        deferred.swap_only.push_back(entry_id);
+        deferred.swap_only_released.push_back(entry_id);
       }
     }
     redeclare_entries(s);

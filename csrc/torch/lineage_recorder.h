@@ -98,6 +98,7 @@ struct PlanQuery {
 struct Deferred {
   std::vector<uintptr_t> rescues;        // external storages about to be written
   std::vector<uint64_t> swap_only;       // entries to make resident and swap-only (listed in swap_only_entries)
+  std::vector<uint64_t> swap_only_released;  // the same, as a sweep released writers their replay needs
   std::vector<PlanQuery> plan_queries;
   std::vector<std::shared_ptr<void>> released;
   bool sweep = false;  // RecorderState::releasing is let go once the rescues ran
@@ -150,8 +151,9 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
 // resident and swap-only (replay.py's rescue_dependents_of). Takes the lock,
 // then the GIL once the lock is released: call it without the lock.
 void rescue_dependents_of(RecorderState& s, uintptr_t key);
-// Makes each entry resident, then swap-only. Call it without the lock.
-void make_swap_only(const std::vector<uint64_t>& entry_ids);
+// Makes each entry resident, then swap-only, for `reason` (Note [Why not
+// recomputable] in csrc/core/residency_manager.cpp). Call it without the lock.
+void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);
 // Whether this thread's forward ops are being recorded (its callback is on

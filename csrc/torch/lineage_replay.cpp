@@ -34,6 +34,19 @@ void merge_into(std::vector<T>& into, const std::vector<T>& more) {
   into.insert(into.end(), more.begin(), more.end());
 }
 
+// Note [Why not recomputable] (csrc/core/residency_manager.cpp).
+// Note [Parts of a storage] in lineage_recorder.cpp.
+constexpr const char* kSeveralHistories =
+    "its storage has several histories (outputs of unsafe_split or unsafe_chunk written in place)";
+
+std::string reason_at(const char* why, const OpInfo* info) {
+  std::string text = why != nullptr ? why : "its lineage cannot be replayed";
+  if (info != nullptr) text += " at " + info->name;
+  return text;
+}
+
+std::string reason_of(const Closure& closure) { return closure.ok ? std::string() : reason_at(closure.why, closure.blame); }
+
 template <typename T>
 void sort_unique(std::vector<T>& values) {
   std::sort(values.begin(), values.end());
@@ -43,18 +56,40 @@ void sort_unique(std::vector<T>& values) {
 std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
                                                int64_t version, int depth) {
   auto result = std::make_shared<Closure>();
-  if (depth > kMaxReplayDepth || version > static_cast<int64_t>(lineage->mutations.size())) return result;
+  // The first obstacle is the one reported (Note [Why not recomputable]).
+  auto blocked = [&result](const char* why, const OpNode& at) {
+    if (result->why == nullptr) {
+      result->why = why;
+      result->blame = at.info;
+    }
+  };
+  if (depth > kMaxReplayDepth) {
+    blocked("its replay would run more than 200 ops deep", *lineage->producer);
+    return result;
+  }
+  if (version > static_cast<int64_t>(lineage->mutations.size())) {
+    blocked("written where nothing records", *lineage->producer);
+    return result;
+  }
   bool ok = true;
   double seconds = 0.0;
   // Note [Contents nobody recorded] (lineage_ops.cpp).
-  if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) return result;
+  if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) {
+    blocked("made by an op whose contents nobody recorded (an empty tensor filled where nothing records)",
+            *lineage->producer);
+    return result;
+  }
   std::vector<std::shared_ptr<OpNode>> nodes{lineage->producer};
   for (int64_t i = 0; i < version; ++i) {
     std::shared_ptr<OpNode> writer = kept_writer(s, lineage->mutations[i]);
-    if (writer == nullptr) return result;  // truncated (Note [Lineage ownership])
+    if (writer == nullptr) {  // truncated (Note [Lineage ownership])
+      blocked("an in-place write in its history was released (two forwards back)", *lineage->producer);
+      return result;
+    }
     nodes.push_back(std::move(writer));
   }
   for (const auto& node : nodes) {
+    if (!node->replayable) blocked("an op in its history cannot be replayed", *node);
     ok = ok && node->replayable;
     seconds += node->seconds;
     for (const TensorRef& ref : node->refs) {
@@ -62,16 +97,24 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
       if (ref.external != nullptr) {
         if (ref.scratch) continue;
         result->externals.push_back(ref.external->key);
-        ok = ok && external_version(*ref.external) == ref.tensor_version;
+        if (external_version(*ref.external) != ref.tensor_version) {
+          blocked("an input its replay reads was changed in place after it was read", *node);
+          ok = false;
+        }
         continue;
       }
       const StorageLineage& source = *ref.lineage;
       if (ref.version >= static_cast<int64_t>(source.versions.size()) ||
           source.versions[ref.version] != ref.tensor_version) {
+        blocked("an input its replay reads was written where nothing records", *node);
         ok = false;  // read after a write lineage did not see
         continue;
       }
       std::shared_ptr<const Closure> sub = closure(s, ref.lineage, ref.version, false, depth + 1);
+      if (!sub->ok && result->why == nullptr) {
+        result->why = sub->why;
+        result->blame = sub->blame;
+      }
       ok = ok && sub->ok;
       seconds += sub->seconds;
       merge_into(result->deps, sub->deps);
@@ -349,6 +392,8 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
     // Read, not replayed: the manager adds its cost when it is dropped.
     auto input = std::make_shared<Closure>();
     input->ok = result->ok;
+    input->why = result->why;
+    input->blame = result->blame;
     input->deps = {lineage->entry_id};
     input->externals = result->externals;
     return input;
@@ -383,14 +428,14 @@ std::shared_ptr<StorageLineage> declaring_lineage(RecorderState& s, uint64_t ent
   auto known = s.by_entry.find(entry_id);
   if (known != s.by_entry.end()) {
     if (known->second != declaring && s.swap_only_entries.insert(entry_id).second) {
-      set_entry_recompute_info(entry_id, false, 0.0, {});  // being packed: resident
+      set_entry_recompute_info(entry_id, false, 0.0, {}, kSeveralHistories);  // being packed: resident
     }
     return nullptr;
   }
   if (declaring == nullptr || declaring->entry_id != 0) {
     s.by_entry[entry_id] = whole;
     s.swap_only_entries.insert(entry_id);
-    set_entry_recompute_info(entry_id, false, 0.0, {});
+    set_entry_recompute_info(entry_id, false, 0.0, {}, reason_at(kSeveralHistories, whole->producer->info));
     return nullptr;
   }
   return declaring;
@@ -423,7 +468,7 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
       closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
   lineage->entry_id = entry_id;
   s.by_entry[entry_id] = lineage;
-  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);
+  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result));
   if (result->ok && s.plan != nullptr) {
     std::string name = lineage->producer->info->name;
     name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
@@ -444,23 +489,26 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
       }
     }
   }
-  make_swap_only(rescued);
+  make_swap_only(rescued, "an input its replay reads was about to be written in place (rescued: made resident)");
 }
 
-void make_swap_only(const std::vector<uint64_t>& entry_ids) {  // listed in swap_only_entries by the caller
+void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason) {  // listed in swap_only_entries by the caller
   if (entry_ids.empty()) return;
   py::gil_scoped_acquire gil;  // entry_storage may call the Python recompute callback
   for (uint64_t entry_id : entry_ids) {
     entry_storage(entry_id);
-    set_entry_recompute_info(entry_id, false, 0.0, {});
+    set_entry_recompute_info(entry_id, false, 0.0, {}, reason);
   }
 }
 
 void Deferred::run(RecorderState& s) {
   for (uintptr_t key : rescues) rescue_dependents_of(s, key);
   rescues.clear();
-  make_swap_only(swap_only);
+  make_swap_only(swap_only, kSeveralHistories);
   swap_only.clear();
+  make_swap_only(swap_only_released,
+                 "an in-place write in its history was released (two forwards back; rescued: made resident)");
+  swap_only_released.clear();
   if (!plan_queries.empty()) {
     py::gil_scoped_acquire gil;
     py::object plan;
@@ -492,7 +540,7 @@ void redeclare_entries(RecorderState& s) {
     if (s.swap_only_entries.count(entry_id) != 0) continue;  // Note [Parts of a storage]
     std::shared_ptr<const Closure> result =
         closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
-    set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps);
+    set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result));
   }
 }
 

@@ -555,11 +555,11 @@ std::vector<uint64_t> live_entry_ids() {
 }
 
 void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
-                              const std::vector<uint64_t>& input_ids) {
+                              const std::vector<uint64_t>& input_ids, std::string reason) {
   Runtime* runtime = Runtime::get();
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
   if (runtime == nullptr || residency == nullptr) return;
-  runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids);
+  runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids, std::move(reason));
 }
 
 size_t live_storage_residencies() {
@@ -610,8 +610,9 @@ void bind_saved_activation(py::module_& m) {
     }
   }, py::arg("timing"), "When queued replays ahead run on the CPU (Note [Recompute ahead timing]); for benchmarks");
   m.def("set_recompute_info", &set_entry_recompute_info, py::arg("entry_id"), py::arg("recomputable"),
-        py::arg("replay_seconds"), py::arg("input_ids"),
-        "Declare whether and at what cost an entry's storage can be replayed, and which entries it reads");
+        py::arg("replay_seconds"), py::arg("input_ids"), py::arg("reason") = std::string(),
+        "Declare whether and at what cost an entry's storage can be replayed, and which entries it reads; "
+        "when it cannot, why (shown in out-of-memory messages: Note [Why not recomputable])");
   m.def("plan_drop", [](uint64_t entry_id) {
     Runtime* runtime = Runtime::get();
     std::shared_ptr<StorageResidency> residency = find_residency(entry_id);

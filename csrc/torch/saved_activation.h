@@ -93,8 +93,9 @@ bool any_entry_saved_for_backward();
 std::vector<uint64_t> live_entry_ids();
 // Declares whether and at what cost an entry can be replayed, and which
 // entries its replay reads (ResidencyManager::set_recompute_info by id).
+// `reason`: why it cannot be replayed (Note [Why not recomputable]).
 void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
-                              const std::vector<uint64_t>& input_ids);
+                              const std::vector<uint64_t>& input_ids, std::string reason = {});
 // Live SavedActivation storages (for leak checks in tests).
 size_t live_storage_residencies();
 void bind_saved_activation(pybind11::module_& m);

@@ -633,7 +633,7 @@ class Lineage:
         """An entry whose replay would read a tensor about to be overwritten:
         made resident now and declared unrecomputable."""
         self.native.entry_storage(entry_id)
-        self.native.set_recompute_info(entry_id, False, 0.0, [])
+        self.native.set_recompute_info(entry_id, False, 0.0, [], _RESCUED)
 
     # -- pack -----------------------------------------------------------------
     def on_pack(self, handle, tensor: torch.Tensor) -> None:
@@ -663,7 +663,8 @@ class Lineage:
             # input (Note [Storage lineage]). Declared views (split, chunk)
             # share one version counter: a write through one is seen by all.
             lineage.entry_id = handle.entry_id
-            self.native.set_recompute_info(handle.entry_id, False, 0.0, [])
+            self.native.set_recompute_info(handle.entry_id, False, 0.0, [],
+                                           f"{_SEVERAL_HISTORIES} at {lineage.producer.name}")
             return
         base = lineage.base()
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
@@ -677,7 +678,8 @@ class Lineage:
         entry_id = handle.entry_id
         lineage.entry_id = entry_id
         self.by_entry[entry_id] = lineage
-        self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps))
+        self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps),
+                                       "" if ok else f"its lineage cannot be replayed at {lineage.producer.name}")
         if ok and self.plan is not None:
             producer = lineage.producer
             if self.plan.drops(producer.index, producer.name, lineage.index):
@@ -685,6 +687,12 @@ class Lineage:
 
 
 _replay_closure = None  # membudget.replay.closure, bound at the first pack (replay imports this module)
+
+# Why an entry cannot be replayed, for out-of-memory messages (Note [Why not
+# recomputable] in csrc/core/residency_manager.cpp; the C++ recorder's words).
+_RESCUED = "an input its replay reads was about to be written in place (rescued: made resident)"
+_SEVERAL_HISTORIES = ("its storage has several histories (outputs of unsafe_split or unsafe_chunk written in "
+                      "place)")  # Note [One history per storage]
 
 
 def _bind_replay_closure():
