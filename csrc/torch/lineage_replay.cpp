@@ -45,7 +45,9 @@ std::string reason_at(const char* why, const OpInfo* info) {
   return text;
 }
 
-std::string reason_of(const Closure& closure) { return closure.ok ? std::string() : reason_at(closure.why, closure.blame); }
+std::string reason_of(const Closure& closure) {
+  return closure.ok ? std::string() : reason_at(closure.why, closure.blame);
+}
 
 template <typename T>
 void sort_unique(std::vector<T>& values) {
@@ -492,7 +494,8 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
   make_swap_only(rescued, "an input its replay reads was about to be written in place (rescued: made resident)");
 }
 
-void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason) {  // listed in swap_only_entries by the caller
+// The caller listed entry_ids in swap_only_entries.
+void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason) {
   if (entry_ids.empty()) return;
   py::gil_scoped_acquire gil;  // entry_storage may call the Python recompute callback
   for (uint64_t entry_id : entry_ids) {
