@@ -2,10 +2,9 @@
 process (Note [Threads started after install()] in
 python/membudget/_runtime.py): the same seeded run on the thread that called
 ``install()``, on a ``threading.Thread`` and on a ``ThreadPoolExecutor``
-worker started after it, swap-only and recompute-only (the C++ recorder
-records on started threads: Note [Recording on started threads]; the
-Python one does not, so that row is expected to run out of memory), and on
-a thread started before it (unmanaged: expected to run out of memory).
+worker started after it, swap-only and recompute-only under either recorder
+(both record on started threads: Note [Recording on started threads]), and
+on a thread started before it (unmanaged: expected to run out of memory).
 
 The budget is a fraction of the peak reserved bytes of an unbudgeted managed
 run. Each row: whether the run fits, its peak reserved bytes, the bytes it
@@ -139,6 +138,7 @@ def main() -> None:
                 ("install thread, recompute", _here, recompute),
                 ("threading.Thread started after, recompute", _started_thread, recompute),
                 ("ThreadPoolExecutor worker after, recompute", _pool_worker, recompute),
+                ("install thread, recompute, Python", _here, {"actions": "recompute", "lineage": "python"}),
                 ("threading.Thread after, recompute, Python", _started_thread,
                  {"actions": "recompute", "lineage": "python"}),
                 ("thread started before install()", early, {})]

@@ -1,8 +1,8 @@
 """Training steps on threads started after install() (Note [Threads started
 after install()] in python/membudget/_runtime.py): their activations are
-managed exactly, and dropped and replayed under the C++ recorder (Note
-[Recording on started threads] in csrc/torch/lineage_recorder.cpp), swap-only
-under the Python one; threads started before it are told they are not.
+managed exactly, swapped or dropped and replayed under either recorder (Note
+[Recording on started threads] in csrc/torch/lineage_recorder.cpp); threads
+started before it are told they are not.
 """
 import gc
 import threading
@@ -65,25 +65,24 @@ def test_training_on_a_thread_started_after_install_is_exact_under_half_its_peak
     assert_identical(reference, unbudgeted)
     budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
 
-    # The Python recorder stays on the install thread: a started thread swaps.
-    managed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
-                          min_tensor_bytes=MIN_TENSOR_BYTES, lineage="python")
-    assert_identical(reference, managed)
-    stats = managed.stats
+    swapped = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
+                          min_tensor_bytes=MIN_TENSOR_BYTES, actions="swap")
+    assert_identical(reference, swapped)
+    stats = swapped.stats
     assert stats["reserved_bytes.all.peak"] <= budget
     assert stats["swap_out_bytes"] > 0 and stats["swap_in_count"] > 0
-    assert stats["recompute_count"] == 0  # no lineage off the install thread
     assert stats["num_ooms"] == 0
 
-    # The C++ recorder records there too: recompute-only fits, replaying
+    # Either recorder records there too: recompute-only fits, replaying
     # (GPT-2's dropout included) exactly.
-    recomputed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
-                             min_tensor_bytes=MIN_TENSOR_BYTES, lineage="cxx", actions="recompute")
-    assert_identical(reference, recomputed)
-    stats = recomputed.stats
-    assert stats["reserved_bytes.all.peak"] <= budget
-    assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
-    assert stats["num_ooms"] == 0
+    for lineage in ("python", "cxx"):
+        recomputed = run_managed(work.build, work.batch, work.loss, STEPS, budget=budget, runner=runner,
+                                 min_tensor_bytes=MIN_TENSOR_BYTES, lineage=lineage, actions="recompute")
+        assert_identical(reference, recomputed)
+        stats = recomputed.stats
+        assert stats["reserved_bytes.all.peak"] <= budget, lineage
+        assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0, lineage
+        assert stats["num_ooms"] == 0, lineage
 
 
 def _mlp_step():
@@ -122,23 +121,52 @@ def test_a_thread_started_before_install_is_told_it_is_not_managed():
     gc.collect()
 
 
-def test_recompute_only_on_a_started_thread_under_the_python_recorder_says_it_is_swap_only():
-    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute", lineage="python")
+def test_recompute_only_on_a_thread_started_while_nothing_recorded_says_it_is_swap_only():
+    """A thread started while membudget recorded no lineage (no budget yet)
+    keeps plain hooks after install() is called again with one."""
+    membudget.install(budget=None)
     try:
+        started_unrecorded = _WaitingThread()
+        membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute")
         _mlp_step()  # the install thread records lineage: fits by recomputing
         assert membudget.memory_stats()["recompute_count"] > 0
-        with pytest.raises(torch.OutOfMemoryError, match="swap-only") as info:
-            on_new_thread(_mlp_step)
-        assert "MEMBUDGET_ACTIONS=recompute" in str(info.value)
-        assert "MEMBUDGET_LINEAGE=cxx" in str(info.value)
+        with pytest.raises(torch.OutOfMemoryError, match="records no lineage") as info:
+            started_unrecorded(_mlp_step)
+        assert "swap-only" in str(info.value) and "MEMBUDGET_ACTIONS=recompute" in str(info.value)
+        del info
     finally:
         membudget.uninstall()
     gc.collect()
 
 
-def test_recompute_only_on_a_started_thread_under_the_cxx_recorder_fits():
+class _WaitingThread:
+    """A thread started now that runs the job it is given later, once."""
+
+    def __init__(self):
+        self.job, self.outcome, self.go = None, {}, threading.Event()
+        self.thread = threading.Thread(target=self._body)
+        self.thread.start()
+
+    def _body(self):
+        self.go.wait()
+        try:
+            self.outcome["result"] = self.job()
+        except BaseException as error:  # re-raised on the calling thread
+            self.outcome["error"] = error
+
+    def __call__(self, run):
+        self.job = run
+        self.go.set()
+        self.thread.join()
+        if "error" in self.outcome:
+            raise self.outcome.pop("error")
+        return self.outcome.pop("result")
+
+
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_recompute_only_on_a_started_thread_fits(lineage):
     expected = _mlp_step()
-    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute", lineage="cxx")
+    membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute", lineage=lineage)
     try:
         loss, grads = on_new_thread(_mlp_step)
         assert membudget.memory_stats()["recompute_count"] > 0
@@ -148,6 +176,36 @@ def test_recompute_only_on_a_started_thread_under_the_cxx_recorder_fits():
     assert loss == expected[0]
     assert all(torch.equal(a, b) for a, b in zip(grads, expected[1]))
     gc.collect()
+
+
+def _ops_recorded() -> int:
+    """Forward ops the installed recorder has recorded, either recorder."""
+    lineage = _runtime._lineage
+    return lineage.ops_recorded if _runtime._lineage_mode is not None else load_extension().lineage.ops_recorded()
+
+
+class _ForwardCounter:
+    """Counts the Python recorder's forwards (the C++ one counts its own)."""
+
+    def __init__(self, lineage):
+        self.count = 0
+        original = lineage._begin_forward
+
+        def counted():
+            self.count += 1
+            original()
+
+        lineage._begin_forward = counted
+
+
+def _forwards_begun() -> int:
+    if _runtime._lineage_mode is None:
+        return load_extension().lineage.forwards()
+    lineage = _runtime._lineage
+    counter = getattr(lineage, "_test_counter", None)
+    if counter is None:
+        counter = lineage._test_counter = _ForwardCounter(lineage)
+    return counter.count
 
 
 class _OtherThreadOps:
@@ -168,9 +226,9 @@ class _OtherThreadOps:
             self.ask.clear()
             if self.stop:
                 return
-            recorded = load_extension().lineage.ops_recorded()
+            recorded = _ops_recorded()
             (torch.ones(64, 64) * 2 + 1).sum()  # grad mode is on: recorded
-            self.recorded += load_extension().lineage.ops_recorded() - recorded
+            self.recorded += _ops_recorded() - recorded
             self.runs += 1
             self.done.set()
 
@@ -211,23 +269,23 @@ def _train_inplace_mlp(steps, other=None):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def test_another_threads_ops_during_backward_begin_no_forward():
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_another_threads_ops_during_backward_begin_no_forward(lineage):
     """A thread's ops recorded in the middle of another thread's backward
     join the forward under way instead of beginning one (Note [Recording on
     started threads]): each extra forward would release in-place writers
     early and make what reads them swap-only. The training thread keeps its
     lineage (recompute-only with in-place ReLUs fits) and its results."""
     expected = _train_inplace_mlp(STEPS)
-    native = load_extension()
     budget = 20 * MiB
     begun, results = [], []
     for with_other in (False, True):
-        membudget.install(budget=budget, min_tensor_bytes=64 * 1024, actions="recompute", lineage="cxx")
+        membudget.install(budget=budget, min_tensor_bytes=64 * 1024, actions="recompute", lineage=lineage)
         other = _OtherThreadOps() if with_other else None  # started after install(): it records
         try:
-            forwards = native.lineage.forwards()
+            forwards = _forwards_begun()
             results.append(_train_inplace_mlp(STEPS, other))
-            begun.append(native.lineage.forwards() - forwards)
+            begun.append(_forwards_begun() - forwards)
             stats = membudget.memory_stats()
         finally:
             if other is not None:
@@ -266,37 +324,46 @@ def test_torch_func_transforms_run_on_a_started_thread():
     assert torch.equal(got, expected)
 
 
-def test_uninstall_leaves_started_threads_working_and_new_threads_plain():
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_uninstall_leaves_started_threads_working_and_new_threads_plain(lineage):
     native = load_extension()
     original_bootstrap = threading.Thread._bootstrap_inner
-    membudget.install(budget="1GiB", lineage="cxx")
+    membudget.install(budget="1GiB", lineage=lineage)
+    install_hooks = _runtime._started_thread_hooks
     assert threading.Thread._bootstrap_inner is not original_bootstrap
     installed, go, seen = threading.Event(), threading.Event(), {}
 
+    def recorder_here():
+        mode = getattr(_runtime._started_thread_mode, "mode", None)
+        return mode if lineage == "python" else native.lineage.recording()
+
+    def ops_recorded(mode):
+        return mode.lineage.ops_recorded if lineage == "python" else native.lineage.ops_recorded()
+
     def lives_across_uninstall():
         seen["hooks"] = _hooks_on_this_thread()
-        seen["recording"] = native.lineage.recording()
+        seen["recorder"] = recorder = recorder_here()
         installed.set()
         go.wait()
-        # After uninstall its hooks pass tensors through, its callback
+        # After uninstall its hooks pass tensors through, its recorder
         # records nothing, and a transform still runs.
-        recorded = native.lineage.ops_recorded()
+        recorded = ops_recorded(recorder)
         seen["loss"], _ = _mlp_step()
-        seen["recorded after uninstall"] = native.lineage.ops_recorded() - recorded
+        seen["recorded after uninstall"] = ops_recorded(recorder) - recorded
         seen["transform"] = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
-        seen["recording at the end"] = native.lineage.recording()
+        seen["recorder at the end"] = recorder_here()
 
     worker = threading.Thread(target=lives_across_uninstall)
     worker.start()
     installed.wait()
     membudget.uninstall()
     assert threading.Thread._bootstrap_inner is original_bootstrap
-    assert seen["hooks"] == _runtime._hooks_for_native_recorder(native) and seen["recording"]
+    assert seen["hooks"] == install_hooks and seen["recorder"]
     assert on_new_thread(_hooks_on_this_thread) is None  # started after uninstall: plain
     go.set()
     worker.join()
-    assert seen["recorded after uninstall"] == 0 and seen["recording at the end"]
-    assert not on_new_thread(native.lineage.recording)
+    assert seen["recorded after uninstall"] == 0 and seen["recorder at the end"]
+    assert not on_new_thread(recorder_here)
     assert seen["loss"] == _mlp_step()[0]
     assert torch.equal(seen["transform"], torch.ones(3).cos())
     # The last started thread ended: torch has its own context manager back.
@@ -330,7 +397,7 @@ import atexit, threading
 import torch
 import membudget
 
-membudget.install(budget="64MiB", min_tensor_bytes=64 * 1024)
+membudget.install(budget="64MiB", min_tensor_bytes=64 * 1024, lineage=LINEAGE)
 
 def step():
     x = torch.randn(512, 512, requires_grad=True)
@@ -364,7 +431,9 @@ def test_the_interpreter_exits_cleanly_with_threads_started_after_install():
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for _ in range(6):
-        done = subprocess.run([sys.executable, "-c", _EXIT_WITH_THREADS], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert done.returncode == 0 and "ran" in done.stdout, (done.returncode, done.stderr[-2000:])
+    # Each recorder leaves something of its own in a started thread's C++
+    # thread-locals while it runs: the C++ callback, or the Python mode.
+    for lineage in ("cxx", "python") * 3:
+        script = f"LINEAGE = {lineage!r}\n" + _EXIT_WITH_THREADS
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "ran" in done.stdout, (lineage, done.returncode, done.stderr[-2000:])

@@ -142,6 +142,8 @@ std::atomic<bool> g_out_of_memory{false};
 // at a time). uninstall() stops the callback of the thread that called
 // install(); a started thread's callback stays until its run() ends, so
 // g_active (set by start(), cleared by stop()) is what it records under.
+// The Python recorder does the same with a mode per started thread over one
+// Lineage (lineage.py's packer and may_begin_forward; retired at uninstall).
 std::atomic<bool> g_active{false};
 
 // Forwards whose writer nodes are kept (Note [Lineage ownership]): this one

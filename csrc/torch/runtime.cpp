@@ -203,18 +203,21 @@ thread_local bool t_speculative = false;  // Note [Speculative allocations]
 // of theirs is evictable. Daemon threads push none. Their errors say that.
 enum class StartedThread { kNo, kManaged, kDaemon };
 thread_local StartedThread t_started_after_install = StartedThread::kNo;
+// Whether that thread records lineage (either recorder; Note [Recording on
+// started threads] in lineage_recorder.cpp).
+thread_local bool t_started_records_lineage = false;
 
 std::string unmanaged_thread_note() {
   if (at::SavedTensorDefaultHooks::get_hooks().has_value()) {
     Runtime* runtime = Runtime::get();
     if (t_started_after_install == StartedThread::kManaged && runtime != nullptr &&
-        !AllowedActions::parse(runtime->config().actions).swap &&
+        !AllowedActions::parse(runtime->config().actions).swap && !t_started_records_lineage &&
         !lineage::records_on_this_thread()) {
-      return " This allocation came from a thread started after install(): activations saved on it are "
-             "managed but swap-only (the Python lineage recorder, MEMBUDGET_LINEAGE=python and the default "
-             "on CUDA, records on the thread that called install() only), and MEMBUDGET_ACTIONS=recompute "
-             "cannot release them; allow swapping (MEMBUDGET_ACTIONS=both), record with "
-             "MEMBUDGET_LINEAGE=cxx, or run the training step on the thread that called install().";
+      return " This allocation came from a thread started after install() that records no lineage (it started "
+             "while membudget recorded none: without a budget, or with MEMBUDGET_ACTIONS=swap): activations "
+             "saved on it are managed but swap-only, and MEMBUDGET_ACTIONS=recompute cannot release them; "
+             "allow swapping (MEMBUDGET_ACTIONS=both), start the thread after this install(), or run the "
+             "training step on the thread that called install().";
     }
     return "";
   }
@@ -270,11 +273,13 @@ void bind_runtime(py::module_& m) {
   m.def("uninstall_runtime", &uninstall_runtime, "Stop managing; on cpu restore the previous CPU allocator.");
   m.def("runtime_kind", []() -> std::string { return Runtime::get() ? Runtime::get()->device_kind() : "none"; });
   m.def("managing", []() { return Runtime::get() != nullptr && Runtime::get()->managing(); });
-  m.def("note_thread_started_after_install", [](bool managed) {
+  m.def("note_thread_started_after_install", [](bool managed, bool records_lineage) {
     t_started_after_install = managed ? StartedThread::kManaged : StartedThread::kDaemon;
-  }, py::arg("managed"),
+    t_started_records_lineage = records_lineage;
+  }, py::arg("managed"), py::arg("records_lineage") = false,
         "This thread started after install(), and pushed membudget's hooks (managed) or, a daemon, did not "
-        "(Note [Threads started after install()]): its out-of-memory errors say what that means.");
+        "(Note [Threads started after install()]), and records lineage or not: its out-of-memory errors say "
+        "what that means.");
   m.def("memory_stats", &memory_stats, "Flat statistics dict (torch.cuda.memory_stats style keys).");
   m.def("set_out_of_memory_note", [](const std::string& note) {
     if (Runtime* r = Runtime::get()) r->manager().set_out_of_memory_note(note);

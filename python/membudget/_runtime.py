@@ -23,17 +23,19 @@ ran out of memory at any budget below its plain peak. While installed, every
 ``threading.Thread`` pushes membudget's native hooks as it starts, before its
 ``run()``, so they sit at the bottom of its hook stack and no ``with`` block of
 its own can pop them (``threading.Thread._bootstrap_inner`` is wrapped; it
-runs on the new thread). With the C++ lineage recorder (the default on the
-CPU) such a thread also starts the recorder's callback for itself and pushes
-the same hooks as the install thread, so its forward is recorded and what it
-saves can be dropped and replayed (Note [Recording on started threads] in
-csrc/torch/lineage_recorder.cpp says how forwards from several threads share
-one recorder); its callback stops as its ``run()`` ends. The Python
-recorder's mode stays on the install thread alone (its state, its parking
-around optimizer steps and its checkpoint-region handling are that
-thread's), so under it what those threads save is managed but swap-only:
-swapped exactly, never dropped; under ``MEMBUDGET_ACTIONS=recompute`` their
-error says so. Daemon threads are left unmanaged (their error says
+runs on the new thread). When install() records lineage, such a thread
+pushes the same hooks as the install thread and records too, so what it
+saves can be swapped or dropped and replayed: it starts the C++ recorder's
+callback for itself, or enters a :class:`~membudget.lineage.LineageMode` of
+its own over the install's Python recorder (Note [Recording on started
+threads] in csrc/torch/lineage_recorder.cpp says how forwards from several
+threads share one recorder, under either). Both stop as its ``run()`` ends.
+What stays the install thread's alone: parking the Python mode around
+optimizer steps (a started thread's steps pay the mode's pass-through
+cost), checkpoint regions run as plain code, and compiled-graph plans.
+After ``uninstall()`` the recorder a started thread still has records
+nothing (the C++ recorder is off; the Python one is retired), and what it
+packs from then on is swap-only. Daemon threads are left unmanaged (their error says
 so): torch holds the pushed hooks in the thread's C++ thread-locals, and a
 daemon thread still alive as the interpreter exits (tqdm's monitor, which
 transformers starts) is stopped as it next takes the GIL, and its
@@ -104,10 +106,12 @@ _rearm_hook = None                   # the module pre-hook's handle, while parke
 _optimizer_hooks = None              # the global optimizer step hooks' handles, while recording
 _parking_allowed = True              # whether optimizer steps park the mode (benchmarks turn it off)
 _thread_bootstrap = None             # threading.Thread._bootstrap_inner as it was, while wrapped
-# What a thread started after install() pushes, and whether it records with
-# the C++ recorder (Note [Threads started after install()]); set by install().
+# What a thread started after install() pushes, and how it records: None,
+# "cxx" (the C++ recorder's callback) or the Python recorder's Lineage, for a
+# mode of its own (Note [Threads started after install()]); set by install().
 _started_thread_hooks: Optional[Tuple[Callable, Callable]] = None
-_started_threads_record = False
+_started_thread_recorder = None
+_started_thread_mode = threading.local()  # .mode: a started thread's LineageMode
 _native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
 
 
@@ -193,11 +197,10 @@ def install(
     (``torch._dynamo.reset()``). :func:`membudget.compiled_plans` lists what
     was planned.
 
-    Saved activations are managed on this thread and on every non-daemon
-    ``threading.Thread`` started from here on, where they are also dropped
-    and replayed under the C++ recorder and only swapped under the Python
-    one (Note [Threads started after install()]); call :func:`uninstall`
-    from this thread.
+    Saved activations are managed, and lineage recorded, on this thread and
+    on every non-daemon ``threading.Thread`` started from here on (Note
+    [Threads started after install()]); call :func:`uninstall` from this
+    thread.
 
     ``plan`` (a :class:`membudget.Plan` from :func:`membudget.plan`) names
     saved tensors to drop at pack time and recompute on use; anything it did
@@ -279,7 +282,7 @@ def _manage_threads_started_from_now() -> None:
             original(thread)
         finally:
             if pushed:
-                load_extension().lineage.stop_on_this_thread()  # a no-op where it did not record
+                _stop_recording_on_ending_thread()
                 _pop_hooks_of_ending_thread()
                 _func_transforms.started_thread_ended()
 
@@ -297,11 +300,20 @@ def _push_hooks_on_started_thread(thread: threading.Thread) -> bool:
             native.note_thread_started_after_install(False)
             return False
         pack, unpack = _started_thread_hooks or (native.pack, native.unpack)
+        recorder = _started_thread_recorder
         torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-        native.note_thread_started_after_install(True)
+        native.note_thread_started_after_install(True, recorder is not None)
         _func_transforms.allow_transforms_on_started_thread(pack, unpack)
-        if _started_threads_record:
-            native.lineage.start_on_this_thread()  # Note [Recording on started threads]
+        # Note [Recording on started threads] (csrc/torch/lineage_recorder.cpp).
+        if recorder == "cxx":
+            native.lineage.start_on_this_thread()
+        elif recorder is not None:
+            from .lineage import LineageMode, track_function_forwards
+
+            track_function_forwards(native, True)
+            mode = LineageMode(recorder)
+            mode.__enter__()
+            _started_thread_mode.mode = mode
         return True
     except Exception as error:  # pragma: no cover - defensive: a thread must start whatever happens
         import warnings
@@ -309,6 +321,22 @@ def _push_hooks_on_started_thread(thread: threading.Thread) -> bool:
         warnings.warn(f"membudget: thread {threading.current_thread().name!r} runs unmanaged: {error}",
                       RuntimeWarning, stacklevel=2)
         return False
+
+
+def _stop_recording_on_ending_thread() -> None:
+    """Stops this ending thread's recorder, while it still holds the GIL:
+    the C++ callback, or the Python recorder's mode and the custom Function
+    tracker, which torch keeps in C++ thread-locals too (the reason hooks
+    are popped as a thread ends, below). A mode the thread's own code left
+    above ours stays, as it would without membudget."""
+    native = load_extension()
+    native.lineage.stop_on_this_thread()  # a no-op where it did not record
+    mode = getattr(_started_thread_mode, "mode", None)
+    if mode is not None:
+        _started_thread_mode.mode = None
+        native.lineage.track_function_forwards(False)
+        if _mode_on_top(mode):
+            mode.__exit__(None, None, None)
 
 
 def _pop_hooks_of_ending_thread() -> None:
@@ -352,8 +380,8 @@ def _cuda_device_model(device: torch.device):
 
 def _push_hooks(native, config: Config, plan, device: torch.device, recording: bool) -> None:
     """Saved-tensor hooks, plus the lineage mode when recomputation is allowed."""
-    global _lineage, _lineage_mode, _started_thread_hooks, _started_threads_record
-    _started_thread_hooks, _started_threads_record = (native.pack, native.unpack), False
+    global _lineage, _lineage_mode, _started_thread_hooks, _started_thread_recorder
+    _started_thread_hooks, _started_thread_recorder = (native.pack, native.unpack), None
     # Without a budget nothing is ever evicted: recording lineage would only
     # cost time (and the unmanaged peak is measured this way).
     if not recording:
@@ -391,6 +419,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     _lineage_mode = LineageMode(lineage)
     _lineage_mode.__enter__()
     _lineage = lineage
+    _started_thread_hooks, _started_thread_recorder = (pack, unpack), lineage
     _wrap_autograd_entry_points()
 
 
@@ -426,7 +455,7 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
     boxing). Optimizer steps are not parked: they run under ``no_grad``,
     which the callback checks first, and a step that raised would otherwise
     leave the next forward unrecorded."""
-    global _lineage, _started_thread_hooks, _started_threads_record
+    global _lineage, _started_thread_hooks, _started_thread_recorder
     from .lineage import hide_from_dynamo
     from .lineage_native import NativeLineage
 
@@ -440,7 +469,7 @@ def _push_native_recorder(native, plan, device: torch.device) -> None:
     _push_saved_tensor_hooks(pack, unpack)
     lineage.start()
     _lineage = lineage
-    _started_thread_hooks, _started_threads_record = (pack, unpack), True
+    _started_thread_hooks, _started_thread_recorder = (pack, unpack), "cxx"
     _wrap_autograd_entry_points()  # Note [Backward without the lineage mode]; steps need no parking
 
 
@@ -474,6 +503,14 @@ def _hooks_for_native_recorder(native) -> Tuple[Callable, Callable]:
     return _native_recorder_hooks
 
 
+def _mode_of_this_thread():
+    """The Python recorder's mode on this thread: the install thread's, or
+    the one a thread started after install() entered; None elsewhere."""
+    if threading.get_ident() == _hooks_thread:
+        return _lineage_mode
+    return getattr(_started_thread_mode, "mode", None)
+
+
 def _mode_on_top(mode) -> bool:
     depth = torch._C._len_torch_dispatch_stack()
     return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
@@ -486,10 +523,10 @@ def _without_lineage_mode(function):
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        mode = _lineage_mode
-        if mode is None and _lineage is not None and _lineage.records_here():
+        mode = _mode_of_this_thread()
+        if _lineage_mode is None and _lineage is not None and _lineage.records_here():
             return _lineage.without_recording(function, args, kwargs)  # the C++ recorder
-        if mode is None or threading.get_ident() != _hooks_thread or not _mode_on_top(mode):
+        if mode is None or not _mode_on_top(mode):
             return function(*args, **kwargs)
         with _pop_mode_temporarily():
             return function(*args, **kwargs)
@@ -577,6 +614,7 @@ def _pop_hooks() -> None:
         _lineage.stop()
         _lineage = None
     if _lineage_mode is not None:
+        _lineage.retired = True  # modes left on started threads pass through from now on
         _restore_autograd_entry_points()
         if _parked_depth is not None:
             _unpark()  # already off the stack

@@ -3,7 +3,8 @@ and rebuilt instead of stashed (DESIGN.md "The binding to PyTorch").
 
 Where this sits in the flow: while membudget is installed with recomputation
 allowed, :class:`LineageMode` (a ``TorchDispatchMode``, below autograd) sees
-every aten op the forward pass runs on the thread that called ``install()``.
+every aten op the forward pass runs on the thread that called ``install()``
+(and, through a mode of their own, on threads started after it).
 For each op it keeps an :class:`OpNode`: the op overload, its arguments with
 tensors replaced by :class:`TensorRef` (which storage, at which version, with
 which view geometry), the measured duration, and the generator state for
@@ -336,7 +337,10 @@ def _func_info(func) -> _FuncInfo:
 
 class Lineage:
     """The recorder behind :class:`LineageMode` and the pack hook: one per
-    process, fed from the thread that runs forward."""
+    install, fed from the threads that run forward: the install thread and
+    threads started after it, each with a mode of its own (Note [Recording
+    on started threads] in csrc/torch/lineage_recorder.cpp, whose rule for
+    who begins a forward this follows)."""
 
     def __init__(self, native, plan=None, device_model=None):
         self.native = native
@@ -363,11 +367,25 @@ class Lineage:
         self.parts_of: "weakref.WeakKeyDictionary[StorageLineage, weakref.WeakSet]" = weakref.WeakKeyDictionary()
         self.in_backward = False
         self.ops_recorded = 0
+        # The thread that packed last: the one training (Note [Recording on
+        # started threads]); None before the first pack.
+        self.packer: Optional[int] = None
+        # Set by uninstall(): modes left on started threads pass ops through
+        # and their packs declare nothing (a later install's recompute
+        # callback could not rebuild what this lineage declared).
+        self.retired = False
 
     # -- iteration bookkeeping ------------------------------------------------
     def note_unpack(self) -> None:
         """Backward has begun: the next recorded op starts a new forward."""
         self.in_backward = True
+
+    def may_begin_forward(self) -> bool:
+        """Whether an op recorded on this thread after an unpack begins a
+        forward: on the thread that packed last, or once autograd holds no
+        entry (Note [Recording on started threads])."""
+        packer = self.packer
+        return packer is None or packer == _get_ident() or not self.native.any_entry_saved_for_backward()
 
     def _begin_forward(self) -> None:
         self.in_backward = False
@@ -457,7 +475,7 @@ class Lineage:
     def before(self, func, info: _FuncInfo, args, kwargs) -> OpNode:
         """Builds the node from the arguments as they are before the op runs
         (versions must predate its own writes)."""
-        if self.in_backward or self.took_out_of_memory():
+        if (self.in_backward and self.may_begin_forward()) or self.took_out_of_memory():
             self._begin_forward()
         refs: List[TensorRef] = []
         tensor_args = info.tensor_args
@@ -638,6 +656,10 @@ class Lineage:
     # -- pack -----------------------------------------------------------------
     def on_pack(self, handle, tensor: torch.Tensor) -> None:
         """Declares to the manager how a newly managed storage can be rebuilt."""
+        if self.retired:
+            return
+        if _graph_task_id() == -1:
+            self.packer = _get_ident()
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
             held = self.externals.get(id(tensor))
@@ -795,8 +817,10 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
         if kind is not _PLAIN_TENSOR:
             return info.op(*args, **kwargs)
     lineage = self.lineage
+    if lineage.retired:  # a started thread's mode after uninstall()
+        return info.op(*args, **kwargs)
     if info.view:
-        if lineage.in_backward or lineage.took_out_of_memory():
+        if (lineage.in_backward and lineage.may_begin_forward()) or lineage.took_out_of_memory():
             lineage._begin_forward()
         lineage.op_index += 1  # numbered all the same: plans count every forward op
         lineage.ops_recorded += 1
@@ -819,6 +843,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
 _in_function_forward = bool  # the native tracker's query once LineageMode is made (bool() is False)
 _clock = time.perf_counter
