@@ -371,6 +371,33 @@ def test_uninstall_leaves_started_threads_working_and_new_threads_plain(lineage)
     assert torch.autograd.graph.disable_saved_tensors_hooks is not _func_transforms._DisableBesideMembudget
 
 
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_a_started_thread_alive_after_uninstall_keeps_nothing_allocated(lineage):
+    """A started thread's recorder outlives uninstall() with the thread: the
+    inputs its recorder last held (the model) must not stay allocated."""
+    membudget.install(budget="256MiB", actions="recompute", lineage=lineage, min_tensor_bytes=0)
+    gc.collect()
+    earlier = load_extension().memory_stats()["allocated_bytes.all.current"]
+    lingering = _WaitingThread()
+    try:
+        def forward_only():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+            loss = model(torch.randn(64, 512)).square().mean()
+            assert membudget.memory_stats()["allocated_bytes.all.current"] > MiB
+            del model, loss  # as an exception unwinding the step would
+
+        on_new_thread(forward_only)
+        forward_only()
+    finally:
+        membudget.uninstall()
+    gc.collect()
+    try:
+        assert load_extension().memory_stats()["allocated_bytes.all.current"] == earlier
+    finally:
+        lingering(lambda: None)
+
+
 def test_a_daemon_thread_is_left_unmanaged_and_told_why():
     membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024)
     failures = []

@@ -537,11 +537,18 @@ def _without_lineage_mode(function):
 def _release_lineage_at_step(optimizer, args, kwargs) -> None:
     """Global optimizer step pre-hook: the step ends a training step, the
     recorder may let go of what its last forward held (Note [Lineage
-    released between steps] in ``lineage.py``): on the install thread, or
-    on any thread the C++ recorder records (its state is shared and locked)."""
+    released between steps] in ``lineage.py``): on any thread that records
+    (the install thread, threads started after it); it releases only once
+    backward has run and autograd holds no entry, so a step on one thread
+    cannot take what another thread's forward is using."""
     lineage = _lineage
-    if lineage is not None and (threading.get_ident() == _hooks_thread
-                                or (_lineage_mode is None and lineage.records_here())):
+    if lineage is None:
+        return
+    if _lineage_mode is None:
+        records = lineage.records_here()  # the C++ recorder
+    else:
+        records = _mode_of_this_thread() is not None
+    if records:
         lineage.release_if_idle()
 
 
@@ -608,13 +615,16 @@ def _restore_autograd_entry_points() -> None:
 
 
 def _pop_hooks() -> None:
-    global _lineage, _lineage_mode, _parking_allowed
+    global _lineage, _lineage_mode, _parking_allowed, _started_thread_hooks, _started_thread_recorder
+    # Held here, the Python recorder's Lineage (and through its pack hook)
+    # kept the last forward's inputs, a whole model, alive after uninstall().
+    _started_thread_hooks, _started_thread_recorder = None, None
     if _lineage is not None and _lineage_mode is None:  # the C++ recorder
         _restore_autograd_entry_points()
         _lineage.stop()
         _lineage = None
     if _lineage_mode is not None:
-        _lineage.retired = True  # modes left on started threads pass through from now on
+        _lineage.retire()  # modes left on started threads pass through from now on
         _restore_autograd_entry_points()
         if _parked_depth is not None:
             _unpark()  # already off the stack

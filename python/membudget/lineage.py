@@ -380,6 +380,18 @@ class Lineage:
         """Backward has begun: the next recorded op starts a new forward."""
         self.in_backward = True
 
+    def retire(self) -> None:
+        """uninstall(): from now on modes left on started threads pass ops
+        through and packs declare nothing. Those modes keep this object alive
+        with their threads, so it lets go of what only recording needed: the
+        held inputs of the last forward (a whole model, in a test that
+        deleted it) and the lineage of entries no longer alive. Live entries
+        keep theirs, for their replays."""
+        self.retired = True
+        live = set(self.native.live_entry_ids())
+        self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
+        self.externals = {}
+
     def may_begin_forward(self) -> bool:
         """Whether an op recorded on this thread after an unpack begins a
         forward: on the thread that packed last, or once autograd holds no
