@@ -93,19 +93,25 @@ def _mlp_step():
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_a_thread_started_before_install_is_told_it_is_not_managed():
-    """Its hooks cannot be pushed from outside: the same step that fits on
-    a thread started after install() runs out of memory there, and says why."""
+def _mlp_step_on_cue():
+    """A thread, not yet started, that runs ``_mlp_step`` once ``go`` is set
+    and keeps its out-of-memory message in ``failures``."""
     go, failures = threading.Event(), []
 
-    def started_early():
+    def body():
         go.wait()
         try:
             _mlp_step()
         except torch.OutOfMemoryError as error:
             failures.append(str(error))
 
-    early = threading.Thread(target=started_early)
+    return threading.Thread(target=body), go, failures
+
+
+def test_a_thread_started_before_install_is_told_it_is_not_managed():
+    """Its hooks cannot be pushed from outside: the same step that fits on
+    a thread started after install() runs out of memory there, and says why."""
+    early, go, failures = _mlp_step_on_cue()
     early.start()
     membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024)
     try:
@@ -126,41 +132,18 @@ def test_recompute_only_on_a_thread_started_while_nothing_recorded_says_it_is_sw
     keeps plain hooks after install() is called again with one."""
     membudget.install(budget=None)
     try:
-        started_unrecorded = _WaitingThread()
+        started_unrecorded, go, failures = _mlp_step_on_cue()
+        started_unrecorded.start()
         membudget.install(budget=16 * MiB, min_tensor_bytes=64 * 1024, actions="recompute")
         _mlp_step()  # the install thread records lineage: fits by recomputing
         assert membudget.memory_stats()["recompute_count"] > 0
-        with pytest.raises(torch.OutOfMemoryError, match="records no lineage") as info:
-            started_unrecorded(_mlp_step)
-        assert "swap-only" in str(info.value) and "MEMBUDGET_ACTIONS=recompute" in str(info.value)
-        del info
+        go.set()
+        started_unrecorded.join()
     finally:
         membudget.uninstall()
+    assert len(failures) == 1 and "records no lineage" in failures[0], failures
+    assert "swap-only" in failures[0] and "MEMBUDGET_ACTIONS=recompute" in failures[0]
     gc.collect()
-
-
-class _WaitingThread:
-    """A thread started now that runs the job it is given later, once."""
-
-    def __init__(self):
-        self.job, self.outcome, self.go = None, {}, threading.Event()
-        self.thread = threading.Thread(target=self._body)
-        self.thread.start()
-
-    def _body(self):
-        self.go.wait()
-        try:
-            self.outcome["result"] = self.job()
-        except BaseException as error:  # re-raised on the calling thread
-            self.outcome["error"] = error
-
-    def __call__(self, run):
-        self.job = run
-        self.go.set()
-        self.thread.join()
-        if "error" in self.outcome:
-            raise self.outcome.pop("error")
-        return self.outcome.pop("result")
 
 
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
@@ -378,7 +361,9 @@ def test_a_started_thread_alive_after_uninstall_keeps_nothing_allocated(lineage)
     membudget.install(budget="256MiB", actions="recompute", lineage=lineage, min_tensor_bytes=0)
     gc.collect()
     earlier = load_extension().memory_stats()["allocated_bytes.all.current"]
-    lingering = _WaitingThread()
+    release = threading.Event()
+    lingering = threading.Thread(target=release.wait)
+    lingering.start()
     try:
         def forward_only():
             torch.manual_seed(0)
@@ -395,7 +380,8 @@ def test_a_started_thread_alive_after_uninstall_keeps_nothing_allocated(lineage)
     try:
         assert load_extension().memory_stats()["allocated_bytes.all.current"] == earlier
     finally:
-        lingering(lambda: None)
+        release.set()
+        lingering.join()
 
 
 def test_a_daemon_thread_is_left_unmanaged_and_told_why():
