@@ -36,7 +36,8 @@ Variables
     (drop it and replay the ops that made it when it is needed) or ``both``
     (default; the director picks per victim the smaller expected stall).
     With ``recompute`` or ``both``, forward ops are recorded (lineage) on the
-    thread that called ``install()``; ``swap`` records nothing.
+    thread that called ``install()`` and on non-daemon threads started after
+    it; ``swap`` records nothing.
 ``MEMBUDGET_LINEAGE``
     Which recorder keeps those forward ops: ``python`` (a
     ``TorchDispatchMode``, the reference), ``cxx`` (a thread-local
