@@ -2,6 +2,7 @@
 // registration and schema (Note [Recorded granularity] in lineage_recorder.cpp).
 #include <ATen/record_function.h>
 
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -141,26 +142,47 @@ std::unique_ptr<OpInfo> make_info(const c10::OperatorHandle& op) {
 }
 
 // Per-operator decisions, keyed by the address of the schema's name string
-// (stable while the operator is registered). Touched by the recording thread
-// only; infos are never freed (nodes point at them).
-std::unordered_map<const void*, OpInfo*>& info_cache() {
-  static auto* cache = new std::unordered_map<const void*, OpInfo*>();
-  return *cache;
+// (stable while the operator is registered); infos are never freed (nodes
+// point at them). Every recording thread looks them up (Note [Recording on
+// started threads] in lineage_recorder.cpp): the shared map is locked, and
+// each thread keeps a copy of what it found, so the lock is taken once per
+// operator per thread. (It was one unlocked map while one thread recorded;
+// a second thread's first op could rehash it under the first's lookup.)
+struct SharedInfos {
+  std::mutex mutex;
+  std::unordered_map<const void*, OpInfo*> infos;
+};
+
+SharedInfos& shared_infos() {
+  static auto* shared = new SharedInfos();  // leaked: ops may run during interpreter exit
+  return *shared;
 }
 
 }  // namespace
 
 const OpInfo* lookup_info(const at::RecordFunction& fn) {
   const char* key = fn.name();
-  auto& cache = info_cache();
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
+  thread_local std::unordered_map<const void*, const OpInfo*> seen_here;
+  auto it = seen_here.find(key);
+  if (it != seen_here.end()) return it->second;
   std::optional<c10::OperatorName> name = fn.operator_name();
   if (!name) return nullptr;  // a RecordFunction that is not an operator call
-  std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(*name);
-  if (!op) return nullptr;
-  OpInfo* info = make_info(*op).release();
-  cache.emplace(key, info);
+  const OpInfo* info = nullptr;
+  {
+    SharedInfos& shared = shared_infos();
+    std::lock_guard<std::mutex> lock(shared.mutex);  // make_info runs no op and takes no GIL
+    auto found = shared.infos.find(key);
+    if (found != shared.infos.end()) {
+      info = found->second;
+    } else {
+      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(*name);
+      if (!op) return nullptr;
+      OpInfo* made = make_info(*op).release();
+      shared.infos.emplace(key, made);
+      info = made;
+    }
+  }
+  seen_here.emplace(key, info);
   return info;
 }
 

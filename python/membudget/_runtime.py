@@ -35,7 +35,9 @@ optimizer steps (a started thread's steps pay the mode's pass-through
 cost), checkpoint regions run as plain code, and compiled-graph plans.
 After ``uninstall()`` the recorder a started thread still has records
 nothing (the C++ recorder is off; the Python one is retired), and what it
-packs from then on is swap-only. Daemon threads are left unmanaged (their error says
+packs from then on is swap-only; a later ``install()`` with the C++
+recorder turns its callback back on, since its hooks are that recorder's
+process-wide pair. Daemon threads are left unmanaged (their error says
 so): torch holds the pushed hooks in the thread's C++ thread-locals, and a
 daemon thread still alive as the interpreter exits (tqdm's monitor, which
 transformers starts) is stopped as it next takes the GIL, and its
@@ -282,9 +284,11 @@ def _manage_threads_started_from_now() -> None:
             original(thread)
         finally:
             if pushed:
-                _stop_recording_on_ending_thread()
-                _pop_hooks_of_ending_thread()
-                _func_transforms.started_thread_ended()
+                try:
+                    _stop_recording_on_ending_thread()
+                finally:  # whatever happens, nothing of ours stays in the thread-locals
+                    _pop_hooks_of_ending_thread()
+                    _func_transforms.started_thread_ended()
 
     threading.Thread._bootstrap_inner = bootstrap_with_hooks
     _thread_bootstrap = original
