@@ -664,8 +664,8 @@ void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue
 // Whether an op recorded on this thread after an unpack may begin a forward
 // (Note [Recording on started threads]). Holds the lock.
 bool may_begin_forward(const RecorderState& s) {
-  return s.packer == std::thread::id() || s.packer == std::this_thread::get_id() ||
-         !any_entry_saved_for_backward();
+  const std::thread::id packer = s.packer.load();
+  return packer == std::thread::id() || packer == std::this_thread::get_id() || !any_entry_saved_for_backward();
 }
 
 void begin_op(const at::RecordFunction& fn, size_t slot) {
@@ -849,9 +849,7 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
 void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
   if (t_recording && torch::autograd::get_current_graph_task_id() == -1) {
-    RecorderState& s = state();
-    std::lock_guard<std::recursive_mutex> lock(s.mutex);
-    s.packer = std::this_thread::get_id();  // Note [Recording on started threads]
+    state().packer.store(std::this_thread::get_id());  // Note [Recording on started threads]
   }
   for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
     if (frame->node != nullptr) {
@@ -875,8 +873,6 @@ RecorderState& state() {
   static auto* recorder = new RecorderState();  // leaked: ops may run during interpreter exit
   return *recorder;
 }
-
-bool records_on_this_thread() { return t_handle.has_value() && g_active.load(std::memory_order_relaxed); }
 
 PauseRecording::PauseRecording() : previous_(t_paused) { t_paused = true; }
 PauseRecording::~PauseRecording() { t_paused = previous_; }
@@ -943,7 +939,7 @@ void start_recording() {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     forget_unneeded(s, released);
     s.ops_recorded = 0;
-    s.packer = std::thread::id();
+    s.packer.store(std::thread::id());
   }
   g_active.store(true);
 }

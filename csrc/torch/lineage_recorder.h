@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -48,7 +49,8 @@ struct RecorderState {
   bool in_backward = true;    // the next recorded op begins a forward
   // The recording thread that last packed an activation, whose forward the
   // generations follow (Note [Recording on started threads]); none yet: id().
-  std::thread::id packer;
+  // Atomic: every pack sets it, without the lock.
+  std::atomic<std::thread::id> packer{std::thread::id()};
   int64_t op_index = 0;       // ops of this forward (views included)
   int64_t ops_recorded = 0;   // since start()
   uint64_t epoch = 1;         // closures memoised before a sweep are stale
@@ -156,9 +158,6 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key);
 void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);
-// Whether this thread's forward ops are being recorded (its callback is on
-// and the recorder started): a started thread's out-of-memory note asks.
-bool records_on_this_thread();
 // Pauses recording on this thread while alive (replays).
 class PauseRecording {
  public:

@@ -211,8 +211,7 @@ std::string unmanaged_thread_note() {
   if (at::SavedTensorDefaultHooks::get_hooks().has_value()) {
     Runtime* runtime = Runtime::get();
     if (t_started_after_install == StartedThread::kManaged && runtime != nullptr &&
-        !AllowedActions::parse(runtime->config().actions).swap && !t_started_records_lineage &&
-        !lineage::records_on_this_thread()) {
+        !AllowedActions::parse(runtime->config().actions).swap && !t_started_records_lineage) {
       return " This allocation came from a thread started after install() that records no lineage (it started "
              "while membudget recorded none: without a budget, or with MEMBUDGET_ACTIONS=swap): activations "
              "saved on it are managed but swap-only, and MEMBUDGET_ACTIONS=recompute cannot release them; "

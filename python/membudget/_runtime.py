@@ -338,6 +338,8 @@ def _stop_recording_on_ending_thread() -> None:
     mode = getattr(_started_thread_mode, "mode", None)
     if mode is not None:
         _started_thread_mode.mode = None
+        # This thread's tracker only: lineage.track_function_forwards would
+        # also turn the query off for the install thread.
         native.lineage.track_function_forwards(False)
         if _mode_on_top(mode):
             mode.__exit__(None, None, None)
