@@ -15,7 +15,7 @@ support saved tensor hooks", with nothing naming membudget.
 While installed, that context manager is replaced by one that, on the install
 thread and when membudget's hooks top the hook stack, takes them off for the
 transform and pushes them back after it. Threads started after ``install()``
-push membudget's native hooks as they start (Note [Threads started after
+push the install's hooks as they start (Note [Threads started after
 install()] in ``_runtime.py``): there the same is done for that pair, and
 the context manager stays replaced after ``uninstall()`` while such a thread
 lives, since its hooks do. Inside a transform nothing is packed:

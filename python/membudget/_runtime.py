@@ -20,7 +20,7 @@ Note [Threads started after install()]: a training step run on another thread
 (a ``threading.Thread``, a ``ThreadPoolExecutor`` worker, a web UI's training
 worker) saved its activations unmanaged, since that thread had no hooks, and
 ran out of memory at any budget below its plain peak. While installed, every
-``threading.Thread`` pushes membudget's native hooks as it starts, before its
+``threading.Thread`` pushes the install's saved-tensor hooks as it starts, before its
 ``run()``, so they sit at the bottom of its hook stack and no ``with`` block of
 its own can pop them (``threading.Thread._bootstrap_inner`` is wrapped; it
 runs on the new thread). When install() records lineage, such a thread
