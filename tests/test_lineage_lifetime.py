@@ -163,3 +163,31 @@ def test_a_step_that_raised_leaves_nothing_allocated_after_uninstall():
     gc.collect()
     # Memory membudget handed out is still accounted after uninstall().
     assert load_extension().memory_stats()["allocated_bytes.all.current"] == earlier
+
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-batch-a-step", "accumulated"])
+def test_ops_between_backward_and_the_step_do_not_keep_the_model(lineage_recorder, micro_batches):
+    """An op recorded between backward() and the step (the loop's
+    ``loss.detach()``, kept in its history, or the next micro-batch's
+    forward) began a forward that packed nothing, and the release at the
+    step waited for a backward that never came: ``del model`` left all
+    16 MiB allocated, under both recorders (Note [Lineage released between
+    steps])."""
+    membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+    optimizer = torch.optim.Adam(model.parameters())
+    history = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        for _ in range(micro_batches):
+            loss = model(torch.randn(256, 1024)).square().mean()
+            loss.backward()
+            history.append(loss.detach())
+        optimizer.step()
+    assert membudget.memory_stats()["allocated_bytes.all.current"] > 16 * MiB
+    del model, optimizer, loss
+    gc.collect()
+    assert membudget.memory_stats()["allocated_bytes.all.current"] < MiB
+    assert len(history) == 3 * micro_batches

@@ -343,6 +343,33 @@ def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
 
 
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_oom_under_recompute_only_names_the_obstacle_and_its_op(lineage):
+    """A weight written under no_grad after a matmul read it, before
+    anything saved was packed: what exp saves can be rebuilt only through
+    that matmul, which would read the new weight. Both recorders name the
+    obstacle and the op it was met at; the Python recorder named the op
+    that made the saved tensor instead ("its lineage cannot be replayed at
+    aten.exp.default")."""
+    weight = torch.randn(256, 256, requires_grad=True)  # made before install(): a held input
+    membudget.install(budget=8 * MiB, actions="recompute", lineage=lineage, min_tensor_bytes=64 * 1024)
+    try:
+        product = torch.randn(1024, 256) @ weight
+        with torch.no_grad():
+            weight.mul_(0.5)
+        loss = product.exp().sum()
+        del product
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(8 * MiB, dtype=torch.uint8)
+        reasons = re.search(r"allow swap \[(.*?)\]\)", str(info.value)).group(1)
+        assert re.fullmatch(r"1\.00 MiB: an input its replay reads was changed in place after it was read "
+                            r"at aten(::|\.)mm\.default", reasons), reasons
+        del info, loss
+    finally:
+        membudget.uninstall()
+    gc.collect()
+
+
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
 def test_oom_under_recompute_only_names_a_split_storage_as_the_reason(lineage):
     """A CPU GRU cell splits its gates with unsafe_split and writes them in
     place: such storages are swap-only (Note [One history per storage]), and

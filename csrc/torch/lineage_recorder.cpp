@@ -232,6 +232,7 @@ namespace {
 // then kept the entries, and so the writers, alive for good.
 void begin_forward(RecorderState& s, Deferred& deferred) {
   s.in_backward = false;
+  s.packed_in_forward.store(false);
   s.op_index = 0;
   s.forward += 1;
   for (auto& [impl, external] : s.externals) deferred.released.push_back(std::move(external));
@@ -850,6 +851,7 @@ void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return;
   if (t_recording && torch::autograd::get_current_graph_task_id() == -1) {
     state().packer.store(std::this_thread::get_id());  // Note [Recording on started threads]
+    state().packed_in_forward.store(true);
   }
   for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
     if (frame->node != nullptr) {
@@ -1034,8 +1036,13 @@ void bind_lineage(pybind11::module_& m) {
       py::gil_scoped_release no_gil;
       std::lock_guard<std::recursive_mutex> lock(s.mutex);
       // Entries only the recorder holds ask for no replay (Note [Entries only lineage holds]).
-      if (!s.in_backward || any_entry_saved_for_backward()) return false;
+      // A forward that packed nothing (begun by loss.detach() between
+      // backward and the step) does not hold the release back, and the next
+      // op begins a fresh one: lineage.py's release_if_idle says why.
+      if ((s.packed_in_forward.load() && !s.in_backward) || any_entry_saved_for_backward()) return false;
       forget_unneeded(s, released);  // with no entry live: everything
+      s.in_backward = true;
+      s.packed_in_forward.store(false);
       ++s.epoch;
     }
     return true;

@@ -51,6 +51,10 @@ struct RecorderState {
   // generations follow (Note [Recording on started threads]); none yet: id().
   // Atomic: every pack sets it, without the lock.
   std::atomic<std::thread::id> packer{std::thread::id()};
+  // Whether the forward being recorded has packed an activation yet (Note
+  // [Lineage released between steps] in python/membudget/lineage.py); set
+  // with packer, without the lock.
+  std::atomic<bool> packed_in_forward{false};
   int64_t op_index = 0;       // ops of this forward (views included)
   int64_t ops_recorded = 0;   // since start()
   uint64_t epoch = 1;         // closures memoised before a sweep are stale

@@ -93,6 +93,10 @@ _NO_KWARGS: Dict[str, Any] = {}  # shared by every node without keyword argument
 # [Lineage released between steps]); a StorageLineage records the one it was
 # made in. Module-level: one recorder per process.
 _generation = 0
+# Weak references to the lineages made since the last release, which severs
+# them (Note [Released lineage severed]); pruned of dead ones as each forward
+# begins.
+_made: List["weakref.ref[StorageLineage]"] = []
 
 
 class StorageLineage:
@@ -115,6 +119,35 @@ class StorageLineage:
         # write lineage missed (no_grad, another thread) and is unreplayable.
         self.versions: List[int] = [base._version]
         self.memo: Dict[int, tuple] = {}     # version -> closure (see replay.closure)
+        _made.append(_weak(self))
+
+
+_weak = weakref.ref
+
+
+def _sever_released_lineages() -> None:
+    """Note [Released lineage severed]: a lineage hangs on its tensor (and on
+    the tensors sharing its storage: ``loss.detach()``), and through its
+    producer and their inputs' lineages reaches every node of its forward:
+    their arguments, RNG states and held inputs. A loop that keeps each
+    step's detached loss kept each step's whole graph of nodes: 38 nodes and
+    lineages a step for an 8-layer MLP, 5 KiB of CPU generator state a step
+    on the CPU, never freed. Once released, nothing of an older generation
+    is replayed (it reads as a held input), so its links are cut."""
+    global _made
+    for ref in _made:
+        lineage = ref()
+        if lineage is not None:
+            lineage.producer = None
+            lineage.mutations = []
+            lineage.memo = {}
+    _made = []
+
+
+def _prune_made() -> None:
+    """Drops the references to lineages that died (each forward's start)."""
+    global _made
+    _made = [ref for ref in _made if ref() is not None]
 
 
 def _version_of(tensor: torch.Tensor) -> int:
@@ -366,6 +399,12 @@ class Lineage:
         self.whole_of: "weakref.WeakKeyDictionary[StorageLineage, StorageLineage]" = weakref.WeakKeyDictionary()
         self.parts_of: "weakref.WeakKeyDictionary[StorageLineage, weakref.WeakSet]" = weakref.WeakKeyDictionary()
         self.in_backward = False
+        # Whether the forward being recorded has packed an activation yet
+        # (Note [Lineage released between steps]).
+        self.packed_in_forward = False
+        # Every held input made since the last release, however it left
+        # ``externals`` (Note [Every held input released]).
+        self.held_inputs: "weakref.WeakSet[ExternalLineage]" = weakref.WeakSet()
         self.ops_recorded = 0
         # The thread that packed last: the one training (Note [Recording on
         # started threads]); None before the first pack.
@@ -401,7 +440,9 @@ class Lineage:
 
     def _begin_forward(self) -> None:
         self.in_backward = False
+        self.packed_in_forward = False
         self.op_index = 0
+        _prune_made()
         self.externals = {}
         live = set(self.native.live_entry_ids())
         self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
@@ -414,16 +455,35 @@ class Lineage:
         loss a training loop keeps): ``del model`` in a notebook freed
         nothing until the next forward or ``uninstall()``. Lets go of them;
         tensors made before are read as held inputs from then on. Called at
-        every optimizer step (``_runtime.py``). True when it released."""
+        every optimizer step (``_runtime.py``). True when it released.
+
+        An op recorded between ``backward()`` and the step (``loss.detach()``
+        for the loop's history) began a forward that packed nothing, and the
+        release waited for a backward that never came: ``del model`` left
+        16 MiB allocated. So it releases whenever the forward being recorded
+        has packed nothing yet, and the next op begins a fresh forward (its
+        ops numbered from 0 again, as plans count them)."""
         global _generation
         # Entries only the recorder holds ask for no replay (Note [Entries
         # only lineage holds] in csrc/torch/saved_activation.cpp).
-        if not self.in_backward or self.native.any_entry_saved_for_backward():
+        if (self.packed_in_forward and not self.in_backward) or self.native.any_entry_saved_for_backward():
             return False
-        for held in self.externals.values():
+        # Note [Every held input released]: ``externals`` is keyed by id(),
+        # and an id is reused once its tensor dies (the transposed weight
+        # each linear makes): the newer tensor's held input replaced the
+        # older one in the map while the older one's node, reached from a
+        # tensor the loop kept, still held the weight. Whether an id came
+        # back depended on when the garbage collector ran: 4 MiB stayed
+        # after ``del model`` in about 1 run of 8 (CI, session 30).
+        # ``held_inputs`` sees them all.
+        for held in list(self.held_inputs):
             held.tensor = held.handle = held.weak = None
+        self.held_inputs = weakref.WeakSet()
         self.externals = {}
         self.by_entry = {}
+        self.in_backward = True
+        self.packed_in_forward = False
+        _sever_released_lineages()
         _generation += 1
         return True
 
@@ -451,6 +511,7 @@ class Lineage:
         held = self.externals.get(id(tensor))
         if held is None or held.held() is not tensor:
             held = self.externals[id(tensor)] = ExternalLineage(tensor, self._without_graph)
+            self.held_inputs.add(held)
             if not scratch and self.native is not None and tensor.layout is torch.strided:
                 handle = self.native.entry_handle(tensor)  # packed before this read
                 if handle is not None:
@@ -672,6 +733,7 @@ class Lineage:
             return
         if _graph_task_id() == -1:
             self.packer = _get_ident()
+            self.packed_in_forward = True
         lineage = getattr(tensor, _ATTR, None)
         if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
             held = self.externals.get(id(tensor))
@@ -708,12 +770,12 @@ class Lineage:
         # A function-level import costs microseconds per call (the package
         # relative import runs importlib's Python code): bound once.
         closure = _replay_closure or _bind_replay_closure()
-        ok, seconds, deps, _ = closure(lineage, len(lineage.mutations), top=True)
+        ok, seconds, deps, _, why = closure(lineage, len(lineage.mutations), top=True)
         entry_id = handle.entry_id
         lineage.entry_id = entry_id
         self.by_entry[entry_id] = lineage
         self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps),
-                                       "" if ok else f"its lineage cannot be replayed at {lineage.producer.name}")
+                                       why)
         if ok and self.plan is not None:
             producer = lineage.producer
             if self.plan.drops(producer.index, producer.name, lineage.index):

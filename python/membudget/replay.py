@@ -32,7 +32,8 @@ __all__ = ["RecomputeError", "closure", "rebuild_entry", "rebuild_entry_on_strea
 # would approach Python's recursion limit); such storages are swap-only.
 MAX_REPLAY_DEPTH = 200
 
-Closure = Tuple[bool, float, Set[int], FrozenSet[int]]
+# (replayable, seconds, managed input ids, external storage keys, why not).
+Closure = Tuple[bool, float, Set[int], FrozenSet[int], str]
 
 
 class RecomputeError(RuntimeError):
@@ -41,8 +42,11 @@ class RecomputeError(RuntimeError):
 
 
 def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int = 0) -> Closure:
-    """(replayable, seconds, managed input ids, external storage keys) of
-    rebuilding ``lineage`` at ``version``. Not at the top, a managed storage
+    """(replayable, seconds, managed input ids, external storage keys, why
+    not) of rebuilding ``lineage`` at ``version``; why not is the first
+    obstacle met and the op it was met at, in the C++ recorder's words (Note
+    [Why not recomputable] in csrc/core/residency_manager.cpp), or "". Not
+    at the top, a managed storage
     at its current version is an input (read, not replayed): it costs nothing
     here (the manager adds the cost of inputs that are dropped) but must be
     replayable itself in case it is freed before this replay runs."""
@@ -52,22 +56,28 @@ def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int
         result = _replay_closure(lineage, version, depth)
         lineage.memo[version] = result
     if managed_input:
-        return result[0], 0.0, {lineage.entry_id}, result[3]
+        return result[0], 0.0, {lineage.entry_id}, result[3], result[4]
     return result
 
 
 def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closure:
     if depth > MAX_REPLAY_DEPTH:
-        return False, 0.0, set(), frozenset()
+        return (False, 0.0, set(), frozenset(),
+                f"its replay would run more than {MAX_REPLAY_DEPTH} ops deep at {lineage.producer.name}")
     ok = True
     seconds = 0.0
     deps: Set[int] = set()
     externals: Set[int] = set()
+    why = ""  # the first obstacle met, as the C++ recorder reports it
     if version == 0 and _func_info(lineage.producer.func).undefined_contents:
-        return False, 0.0, set(), frozenset()  # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
+        # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
+        return (False, 0.0, set(), frozenset(), "made by an op whose contents nobody recorded (an empty tensor "
+                f"filled where nothing records) at {lineage.producer.name}")
     nodes = [lineage.producer] + lineage.mutations[:version]
     for node in nodes:
-        ok = ok and node.replayable
+        if not node.replayable:
+            ok = False
+            why = why or f"an op in its history cannot be replayed at {node.name}"
         seconds += node.seconds
         for ref in node.refs:
             source = ref.lineage
@@ -76,21 +86,27 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if type(source) is ExternalLineage:
                 if source.released():
                     ok = False
+                    why = why or f"an input its replay reads was let go at an optimizer step at {node.name}"
                     continue
                 if ref.scratch:
                     continue
                 externals.add(source.key)
-                ok = ok and source.version() == ref.tensor_version
+                if source.version() != ref.tensor_version:
+                    ok = False
+                    why = why or f"an input its replay reads was changed in place after it was read at {node.name}"
                 continue
             if ref.version >= len(source.versions) or source.versions[ref.version] != ref.tensor_version:
                 ok = False  # read after a write lineage did not see
+                why = why or f"an input its replay reads was written where nothing records at {node.name}"
                 continue
-            sub_ok, sub_seconds, sub_deps, sub_externals = closure(source, ref.version, depth=depth + 1)
-            ok = ok and sub_ok
+            sub_ok, sub_seconds, sub_deps, sub_externals, sub_why = closure(source, ref.version, depth=depth + 1)
+            if not sub_ok:
+                ok = False
+                why = why or sub_why
             seconds += sub_seconds
             deps |= sub_deps
             externals |= sub_externals
-    return ok, seconds, deps, frozenset(externals)
+    return ok, seconds, deps, frozenset(externals), why
 
 
 def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
