@@ -191,3 +191,31 @@ def test_ops_between_backward_and_the_step_do_not_keep_the_model(lineage_recorde
     gc.collect()
     assert membudget.memory_stats()["allocated_bytes.all.current"] < MiB
     assert len(history) == 3 * micro_batches
+
+
+def test_a_loop_without_an_optimizer_lets_go_as_the_next_forward_begins(lineage_recorder):
+    """Note [Released as a forward begins] (lineage.py): the release at the
+    optimizer step needs a torch.optim step. A loop that updates its
+    parameters by hand kept, through each kept loss, its forward's graph and
+    inputs: ``del model`` left all 16 MiB allocated even after another
+    model's forward. A forward that begins with no entry saved for backward
+    releases the same."""
+    membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
+    earlier = _left_by_earlier_tests()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+    history = []
+    for _ in range(3):
+        loss = model(torch.randn(256, 1024)).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter -= 0.01 * parameter.grad
+                parameter.grad = None
+        history.append(loss.detach())
+    del model, loss
+    small = nn.Linear(64, 64)
+    small(torch.randn(8, 64)).sum().backward()
+    gc.collect()
+    assert membudget.memory_stats()["allocated_bytes.all.current"] - earlier < 64 * 1024
+    assert len(history) == 3

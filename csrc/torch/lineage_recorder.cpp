@@ -213,6 +213,8 @@ uintptr_t storage_address(const at::Tensor& t) {
 
 namespace {
 
+void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& released);  // below
+
 // Note [Rescued before a sweep]: the sweep below releases the writers of
 // the forward two before this one. An entry still alive whose replay runs
 // one of them (a generator's graph kept while a discriminator takes two
@@ -231,6 +233,11 @@ namespace {
 // tried and reverted in session 24: a held input with a graph of its own
 // then kept the entries, and so the writers, alive for good.
 void begin_forward(RecorderState& s, Deferred& deferred) {
+  // Note [Released as a forward begins] (python/membudget/lineage.py).
+  if (!any_entry_saved_for_backward()) {
+    forget_unneeded(s, deferred.released);  // with no entry live: everything
+    ++s.epoch;
+  }
   s.in_backward = false;
   s.packed_in_forward.store(false);
   s.op_index = 0;
@@ -1040,8 +1047,7 @@ void bind_lineage(pybind11::module_& m) {
       // backward and the step) does not hold the release back, and the next
       // op begins a fresh one: lineage.py's release_if_idle says why.
       if ((s.packed_in_forward.load() && !s.in_backward) || any_entry_saved_for_backward()) return false;
-      forget_unneeded(s, released);  // with no entry live: everything
-      s.in_backward = true;
+      forget_unneeded(s, released);  // with no entry live: everything (and in_backward: the next op begins one)
       s.packed_in_forward.store(false);
       ++s.epoch;
     }

@@ -439,6 +439,14 @@ class Lineage:
         return packer is None or packer == _get_ident() or not self.native.any_entry_saved_for_backward()
 
     def _begin_forward(self) -> None:
+        # Note [Released as a forward begins]: the optimizer step's release
+        # (below) needs a torch.optim step; a loop that updates its
+        # parameters by hand, or with an optimizer of its own, never made
+        # one, and every loss it kept kept its forward's graph and inputs.
+        # A forward that begins with no entry left saved for backward
+        # releases the same, in both recorders.
+        if not self.native.any_entry_saved_for_backward():
+            self._release()
         self.in_backward = False
         self.packed_in_forward = False
         self.op_index = 0
@@ -463,11 +471,17 @@ class Lineage:
         16 MiB allocated. So it releases whenever the forward being recorded
         has packed nothing yet, and the next op begins a fresh forward (its
         ops numbered from 0 again, as plans count them)."""
-        global _generation
         # Entries only the recorder holds ask for no replay (Note [Entries
         # only lineage holds] in csrc/torch/saved_activation.cpp).
         if (self.packed_in_forward and not self.in_backward) or self.native.any_entry_saved_for_backward():
             return False
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        """Lets go of everything recorded (release_if_idle, _begin_forward);
+        the next recorded op begins a forward."""
+        global _generation
         # Note [Every held input released]: ``externals`` is keyed by id(),
         # and an id is reused once its tensor dies (the transposed weight
         # each linear makes): the newer tensor's held input replaced the
@@ -485,7 +499,6 @@ class Lineage:
         self.packed_in_forward = False
         _sever_released_lineages()
         _generation += 1
-        return True
 
     def paused(self) -> bool:
         """True on this thread while a replay runs (its ops are not recorded)."""
