@@ -45,11 +45,12 @@ def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int
     """(replayable, seconds, managed input ids, external storage keys, why
     not) of rebuilding ``lineage`` at ``version``; why not is the first
     obstacle met and the op it was met at, in the C++ recorder's words (Note
-    [Why not recomputable] in csrc/core/residency_manager.cpp), or "". Not
-    at the top, a managed storage
-    at its current version is an input (read, not replayed): it costs nothing
-    here (the manager adds the cost of inputs that are dropped) but must be
-    replayable itself in case it is freed before this replay runs."""
+    [Why not recomputable] in csrc/core/residency_manager.cpp), or "".
+
+    Not at the top, a managed storage at its current version is an input
+    (read, not replayed): it costs nothing here (the manager adds the cost
+    of inputs that are dropped) but must be replayable itself in case it is
+    freed before this replay runs."""
     managed_input = not top and lineage.entry_id is not None and version == len(lineage.mutations)
     result = lineage.memo.get(version)
     if result is None:
@@ -86,7 +87,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
             if type(source) is ExternalLineage:
                 if source.released():
                     ok = False
-                    why = why or f"an input its replay reads was let go at an optimizer step at {node.name}"
+                    why = why or f"an input its replay reads was let go between steps at {node.name}"
                     continue
                 if ref.scratch:
                     continue
