@@ -30,25 +30,39 @@ def _left_by_earlier_tests() -> int:
     return load_extension().memory_stats()["allocated_bytes.all.current"]
 
 
-def test_deleting_the_model_after_training_frees_its_memory():
-    """A loop that keeps each step's detached loss (no .item(): no device
-    sync), as GPU loops do: the detached loss shares the loss's storage, whose
-    recorded lineage reached every parameter. The model's 16 MiB of
-    parameters stayed allocated after ``del model`` until the next forward or
-    uninstall()."""
-    membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
+def _sixteen_mib_mlp() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+
+
+def _train_keeping_losses(model: nn.Module, micro_batches: int = 1, kept_before_step: bool = False) -> list:
+    """Three Adam steps that keep each detached loss, as GPU loops do (no
+    .item(): no device sync); returns them."""
     optimizer = torch.optim.Adam(model.parameters())
     history = []
     for _ in range(3):
         optimizer.zero_grad()
-        loss = model(torch.randn(256, 1024)).square().mean()
-        loss.backward()
+        for _ in range(micro_batches):
+            loss = model(torch.randn(256, 1024)).square().mean()
+            loss.backward()
+            if kept_before_step:
+                history.append(loss.detach())
         optimizer.step()
-        history.append(loss.detach())
+        if not kept_before_step:
+            history.append(loss.detach())
+    return history
+
+
+def test_deleting_the_model_after_training_frees_its_memory():
+    """The detached loss a loop keeps shares the loss's storage, whose
+    recorded lineage reached every parameter. The model's 16 MiB of
+    parameters stayed allocated after ``del model`` until the next forward or
+    uninstall()."""
+    membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
+    model = _sixteen_mib_mlp()
+    history = _train_keeping_losses(model)
     assert membudget.memory_stats()["allocated_bytes.all.current"] > 16 * MiB
-    del model, optimizer, loss
+    del model
     gc.collect()
     assert membudget.memory_stats()["allocated_bytes.all.current"] < MiB
     assert len(history) == 3
@@ -175,19 +189,10 @@ def test_ops_between_backward_and_the_step_do_not_keep_the_model(lineage_recorde
     16 MiB allocated, under both recorders (Note [Lineage released between
     steps])."""
     membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
-    optimizer = torch.optim.Adam(model.parameters())
-    history = []
-    for _ in range(3):
-        optimizer.zero_grad()
-        for _ in range(micro_batches):
-            loss = model(torch.randn(256, 1024)).square().mean()
-            loss.backward()
-            history.append(loss.detach())
-        optimizer.step()
+    model = _sixteen_mib_mlp()
+    history = _train_keeping_losses(model, micro_batches, kept_before_step=True)
     assert membudget.memory_stats()["allocated_bytes.all.current"] > 16 * MiB
-    del model, optimizer, loss
+    del model
     gc.collect()
     assert membudget.memory_stats()["allocated_bytes.all.current"] < MiB
     assert len(history) == 3 * micro_batches
@@ -202,8 +207,7 @@ def test_a_loop_without_an_optimizer_lets_go_as_the_next_forward_begins(lineage_
     releases the same."""
     membudget.install(budget="256MiB", actions="both", min_tensor_bytes=64 * 1024)
     earlier = _left_by_earlier_tests()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)])
+    model = _sixteen_mib_mlp()
     history = []
     for _ in range(3):
         loss = model(torch.randn(256, 1024)).square().mean()
