@@ -446,14 +446,15 @@ class Lineage:
         # A forward that begins with no entry left saved for backward
         # releases the same, in both recorders.
         if not self.native.any_entry_saved_for_backward():
-            self._release()
+            self._release()  # lets go of everything below, and more
+        else:
+            _prune_made()
+            self.externals = {}
+            live = set(self.native.live_entry_ids())
+            self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
         self.in_backward = False
         self.packed_in_forward = False
         self.op_index = 0
-        _prune_made()
-        self.externals = {}
-        live = set(self.native.live_entry_ids())
-        self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
 
     def release_if_idle(self) -> bool:
         """Note [Lineage released between steps]: once backward has run and
