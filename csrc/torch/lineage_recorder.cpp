@@ -215,6 +215,40 @@ namespace {
 
 void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& released);  // below
 
+// Lets go of the lineage of every entry no longer alive and, once none is
+// left, of the storages only their closures could read (Note [Held under
+// another counter]).
+void forget_dead_entries(RecorderState& s, std::vector<std::shared_ptr<void>>& released) {
+  std::vector<uint64_t> live = live_entry_ids();
+  std::unordered_set<uint64_t> live_set(live.begin(), live.end());
+  for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
+    if (live_set.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    s.swap_only_entries.erase(it->first);
+    released.push_back(std::move(it->second));
+    it = s.by_entry.erase(it);
+  }
+  if (s.by_entry.empty()) s.held_storages.clear();
+}
+
+// As a forward begins while entries live: the last forward's held inputs,
+// the lineage of storages that died, and dead entries go.
+void prune_dead(RecorderState& s, std::vector<std::shared_ptr<void>>& released) {
+  for (auto& [impl, external] : s.externals) released.push_back(std::move(external));
+  s.externals.clear();
+  for (auto it = s.by_storage.begin(); it != s.by_storage.end();) {
+    if (!it->second.storage.expired()) {
+      ++it;
+      continue;
+    }
+    released.push_back(std::move(it->second.lineage));
+    it = s.by_storage.erase(it);
+  }
+  forget_dead_entries(s, released);
+}
+
 // Note [Rescued before a sweep]: the sweep below releases the writers of
 // the forward two before this one. An entry still alive whose replay runs
 // one of them (a generator's graph kept while a discriminator takes two
@@ -234,37 +268,18 @@ void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& relea
 // then kept the entries, and so the writers, alive for good.
 void begin_forward(RecorderState& s, Deferred& deferred) {
   // Note [Released as a forward begins] (python/membudget/lineage.py).
-  if (!any_entry_saved_for_backward()) {
-    forget_unneeded(s, deferred.released);  // with no entry live: everything
+  // With no entry saved for backward, forget_unneeded lets go of all that
+  // the pruning below would (and asks for the live entries once, not twice).
+  const bool released_all = !any_entry_saved_for_backward();
+  if (released_all) {
+    forget_unneeded(s, deferred.released);
     ++s.epoch;
   }
   s.in_backward = false;
   s.packed_in_forward.store(false);
   s.op_index = 0;
   s.forward += 1;
-  for (auto& [impl, external] : s.externals) deferred.released.push_back(std::move(external));
-  s.externals.clear();
-  for (auto it = s.by_storage.begin(); it != s.by_storage.end();) {
-    if (!it->second.storage.expired()) {
-      ++it;
-      continue;
-    }
-    deferred.released.push_back(std::move(it->second.lineage));
-    it = s.by_storage.erase(it);
-  }
-  std::vector<uint64_t> live = live_entry_ids();
-  std::unordered_set<uint64_t> live_set(live.begin(), live.end());
-  for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
-    if (live_set.count(it->first) != 0) {
-      ++it;
-      continue;
-    }
-    s.swap_only_entries.erase(it->first);
-    deferred.released.push_back(std::move(it->second));
-    it = s.by_entry.erase(it);
-  }
-  // Only a live entry's closure can read a held storage (Note [Held under another counter]).
-  if (s.by_entry.empty()) s.held_storages.clear();
+  if (!released_all) prune_dead(s, deferred.released);
   bool truncated = false;
   for (const auto& [generation, nodes] : s.writers) {
     truncated = truncated || (generation <= s.forward - kForwardsKept && !nodes.empty());
@@ -899,18 +914,7 @@ void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& relea
   s.by_storage.clear();
   for (auto& [impl, external] : s.externals) released.push_back(std::move(external));
   s.externals.clear();
-  std::vector<uint64_t> live = live_entry_ids();
-  std::unordered_set<uint64_t> live_set(live.begin(), live.end());
-  for (auto it = s.by_entry.begin(); it != s.by_entry.end();) {
-    if (live_set.count(it->first) != 0) {
-      ++it;
-      continue;
-    }
-    s.swap_only_entries.erase(it->first);
-    released.push_back(std::move(it->second));
-    it = s.by_entry.erase(it);
-  }
-  if (s.by_entry.empty()) s.held_storages.clear();
+  forget_dead_entries(s, released);
   if (s.by_entry.empty()) {
     for (auto& [forward, writers] : s.writers) {
       for (std::shared_ptr<OpNode>& writer : writers) released.push_back(std::move(writer));
@@ -922,7 +926,9 @@ void forget_unneeded(RecorderState& s, std::vector<std::shared_ptr<void>>& relea
     for (std::shared_ptr<StorageLineage>& part : parts) released.push_back(std::move(part));
   }
   s.parts.clear();
+  // The next op begins a fresh forward, which has packed nothing yet.
   s.in_backward = true;
+  s.packed_in_forward.store(false);
 }
 
 // This thread's callback on (its frames and flags fresh); what is recorded
@@ -1048,7 +1054,6 @@ void bind_lineage(pybind11::module_& m) {
       // op begins a fresh one: lineage.py's release_if_idle says why.
       if ((s.packed_in_forward.load() && !s.in_backward) || any_entry_saved_for_backward()) return false;
       forget_unneeded(s, released);  // with no entry live: everything (and in_backward: the next op begins one)
-      s.packed_in_forward.store(false);
       ++s.epoch;
     }
     return true;
