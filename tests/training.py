@@ -61,15 +61,15 @@ def train(build: Callable[[], torch.nn.Module], batch: Callable[[], tuple], loss
     return RunResult(losses, params, buffers=buffers)
 
 
-def run_plain(build, batch, loss_fn, steps: int, step_fn: Optional[StepFn] = None) -> RunResult:
+def run_plain(build, batch, loss_fn, steps: int, step_fn: Optional[StepFn] = None, seed: int = 0) -> RunResult:
     """The unmanaged reference: nothing of membudget installed."""
     assert not membudget.is_installed()
-    return train(build, batch, loss_fn, steps, step_fn=step_fn)
+    return train(build, batch, loss_fn, steps, seed=seed, step_fn=step_fn)
 
 
 def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], step_fn: Optional[StepFn] = None,
                 runner: Callable[[Callable[[], RunResult]], RunResult] = lambda run: run(),
-                **install_args) -> RunResult:
+                seed: int = 0, **install_args) -> RunResult:
     """The same run under membudget; returns its stats and per-step stats.
     ``runner(run)`` runs the training (default: here; tests/test_started_threads.py
     runs it on another thread), after ``install()`` on this thread."""
@@ -79,7 +79,7 @@ def run_managed(build, batch, loss_fn, steps: int, budget: Optional[int], step_f
     membudget.reset_counters()
     membudget.reset_peak_stats()
     per_step = []
-    result = runner(lambda: train(build, batch, loss_fn, steps,
+    result = runner(lambda: train(build, batch, loss_fn, steps, seed=seed,
                                   after_step=lambda _: per_step.append(membudget.memory_stats()), step_fn=step_fn))
     result.stats = membudget.memory_stats()
     result.per_step = per_step

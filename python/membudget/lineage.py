@@ -67,7 +67,57 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["Lineage", "LineageMode", "OpNode", "StorageLineage", "ExternalLineage", "TensorRef", "storage_address",
            "hide_from_dynamo", "track_function_forwards"]
 
-_ATTR = "_membudget_lineage"
+# Note [Lineage beside the tensor]: which StorageLineage a tensor object
+# carries is kept here, keyed by the object's id and checked through a weak
+# reference to it, not in the tensor's ``__dict__``. The lifetime is the same
+# (the entry goes when the Python object dies), but a tensor then carries
+# nothing of membudget's: ``torch.save`` and ``pickle`` keep a tensor's
+# ``__dict__``, and a lineage there made ``torch.save(model.state_dict())``
+# fail ("cannot pickle 'weakref.ReferenceType' object") for every model built
+# or stepped after ``install()`` under this recorder (the default on CUDA),
+# and ``copy.deepcopy`` of such a tensor fail too. Each reference carries its
+# key and lineage in slots; its callback removes the entry, unless the id was
+# since given to another tensor.
+_attached: Dict[int, "_Attached"] = {}
+
+
+class _Attached(weakref.ref):
+    """A weak reference to a tensor, with the tensor's lineage and its key in
+    :data:`_attached`."""
+
+    __slots__ = ("key", "lineage")
+
+
+def _on_tensor_death(ref: "_Attached") -> None:
+    if _attached.get(ref.key) is ref:
+        del _attached[ref.key]
+
+
+def lineage_of(tensor: torch.Tensor) -> Optional["StorageLineage"]:
+    """The lineage ``tensor`` (this Python object) carries, if any."""
+    ref = _attached.get(id(tensor))
+    return ref.lineage if ref is not None and ref() is tensor else None
+
+
+def _attach(tensor: torch.Tensor, lineage: "StorageLineage") -> None:
+    key = id(tensor)
+    ref = _attached.get(key)
+    if ref is not None and ref() is tensor:
+        ref.lineage = lineage
+        return
+    ref = _Attached(tensor, _on_tensor_death)
+    ref.key = key
+    ref.lineage = lineage
+    _attached[key] = ref
+
+
+def _forget_lineage_of(tensor: torch.Tensor) -> None:
+    key = id(tensor)
+    ref = _attached.get(key)
+    if ref is not None and ref() is tensor:
+        del _attached[key]
+
+
 _REPLAYABLE_NAMESPACES = frozenset({"aten", "prims"})
 # Mutated arguments whose new value no output depends on: batch norm's running
 # statistics in training mode. A replay gives such an op scratch copies, so
@@ -507,8 +557,8 @@ class Lineage:
 
     # -- recording ------------------------------------------------------------
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
-        lineage = getattr(tensor, _ATTR, None)
-        if type(lineage) is StorageLineage:
+        lineage = lineage_of(tensor)
+        if lineage is not None:
             if tensor._version == lineage.versions[-1] and lineage.generation == _generation:
                 try:
                     return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
@@ -521,7 +571,7 @@ class Lineage:
             # what it held (Note [Lineage released between steps]): from here
             # on it is an input we hold, like a parameter. Such tensors are
             # long-lived buffers in practice.
-            delattr(tensor, _ATTR)
+            _forget_lineage_of(tensor)
         held = self.externals.get(id(tensor))
         if held is None or held.held() is not tensor:
             held = self.externals[id(tensor)] = ExternalLineage(tensor, self._without_graph)
@@ -620,7 +670,7 @@ class Lineage:
             if name in info.scratch:
                 continue
             target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor) and type(getattr(target, _ATTR, None)) is not StorageLineage:
+            if isinstance(target, torch.Tensor) and lineage_of(target) is None:
                 self._rescue_before_write(target)
 
     def _rescue_before_write(self, target: torch.Tensor) -> None:
@@ -642,7 +692,7 @@ class Lineage:
         """Attaches lineages to the outputs and records writes."""
         if info.simple:
             if type(out) is _PLAIN_TENSOR:
-                setattr(out, _ATTR, StorageLineage(node, 0, out))
+                _attach(out, StorageLineage(node, 0, out))
             return
         for position, name in info.writes:
             if name in info.scratch:
@@ -659,8 +709,8 @@ class Lineage:
         if info.undeclared_aliases:
             by_storage = {}
             for arg in args:
-                source = getattr(arg, _ATTR, None) if isinstance(arg, torch.Tensor) else None
-                if type(source) is StorageLineage:
+                source = lineage_of(arg) if isinstance(arg, torch.Tensor) else None
+                if source is not None:
                     inputs_by_storage[storage_address(arg)] = source
         index = 0
         for position, output in enumerate(outputs):
@@ -674,7 +724,7 @@ class Lineage:
             for item in (output if type(output) is list and type(out) is not tuple else (output,)):
                 if type(item) is torch.Tensor and node is not None:
                     lineage = StorageLineage(node, index, item)
-                    setattr(item, _ATTR, lineage)
+                    _attach(item, lineage)
                     if by_storage is not None:
                         address = storage_address(item)
                         other = by_storage.setdefault(address, lineage)
@@ -693,14 +743,14 @@ class Lineage:
         # A view (or in-place result) shares its source's storage lineage.
         sources = source if isinstance(source, (list, tuple)) else (source,)
         outputs = output if isinstance(output, (list, tuple)) else (output,)
-        lineage = getattr(sources[0], _ATTR, None) if sources and isinstance(sources[0], torch.Tensor) else None
+        lineage = lineage_of(sources[0]) if sources and isinstance(sources[0], torch.Tensor) else None
         for item in outputs:
             if isinstance(item, torch.Tensor) and item is not sources[0] and lineage is not None:
-                setattr(item, _ATTR, lineage)
+                _attach(item, lineage)
 
     def _record_write(self, node: OpNode, target: torch.Tensor) -> None:
-        lineage = getattr(target, _ATTR, None)
-        if type(lineage) is StorageLineage:
+        lineage = lineage_of(target)
+        if lineage is not None:
             lineage.mutations.append(node)
             # Autograd's ADInplaceOrView kernel, above this mode, bumps the
             # version once the op returns: the version after it is one more.
@@ -748,8 +798,8 @@ class Lineage:
         if _graph_task_id() == -1:
             self.packer = _get_ident()
             self.packed_in_forward = True
-        lineage = getattr(tensor, _ATTR, None)
-        if type(lineage) is not StorageLineage or lineage.entry_id is not None or lineage.generation != _generation:
+        lineage = lineage_of(tensor)
+        if lineage is None or lineage.entry_id is not None or lineage.generation != _generation:
             held = self.externals.get(id(tensor))
             if held is not None and held.handle is None and held.held() is tensor:
                 # Read before this pack. A handle of its own: autograd's
@@ -924,7 +974,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
         node.seconds = max(node.seconds, _modelled_seconds(func, args, kwargs, out, lineage.device_model))
     if info.simple:
         if type(out) is _PLAIN_TENSOR:
-            out.__dict__[_ATTR] = StorageLineage(node, 0, out)
+            _attach(out, StorageLineage(node, 0, out))
     else:
         lineage.after(node, info, args, kwargs, out)
     return out

@@ -1,0 +1,83 @@
+"""DistributedDataParallel under a budget: each rank installs membudget with
+a budget of its own (DESIGN.md "Beyond one machine"), and training must give
+plain DDP's losses and parameters bit for bit on every rank.
+
+Two ranks over gloo on the CPU, a transformers GPT-2 with dropout 0.1. DDP
+adds what a single process does not have: a parameter broadcast from rank 0
+when the model is wrapped, gradient hooks that all-reduce buckets during
+backward (while dropped activations are rebuilt and swapped ones brought
+back), and each rank's own dropout stream. Each rank runs plain first, then
+each managed configuration in turn, in one spawned process per rank; the
+comparison is made in the rank and its verdict is asserted here."""
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.requires_native
+
+WORLD = 2
+STEPS = 3
+MIN_TENSOR_BYTES = 16 * 1024
+# (actions, lineage recorder): swapping alone, recomputing alone under each
+# recorder, and the director choosing.
+CONFIGS = [("swap", "cxx"), ("recompute", "python"), ("recompute", "cxx"), ("both", "python")]
+
+
+def _rank(rank: int, init_file: str, out_dir: str) -> None:
+    """One rank: plain DDP, then DDP under half its unbudgeted peak for each
+    configuration; writes its verdicts to ``out_dir/rank<N>.json``."""
+    import torch.distributed as dist
+
+    from models import gpt2
+    from training import assert_identical, run_managed, run_plain
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    work = gpt2(batch=4, seq=64)
+    build = lambda: torch.nn.parallel.DistributedDataParallel(work.build())  # noqa: E731
+    # Each rank its own batches and dropout (the initial parameters are rank
+    # 0's, broadcast as DDP wraps the model).
+    seed = 1000 + rank
+    reference = run_plain(build, work.batch, work.loss, STEPS, seed=seed)
+    unbudgeted = run_managed(build, work.batch, work.loss, STEPS, budget=None, seed=seed,
+                             min_tensor_bytes=MIN_TENSOR_BYTES)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    verdicts = {"losses": reference.losses}
+    for actions, lineage in CONFIGS:
+        managed = run_managed(build, work.batch, work.loss, STEPS, budget=budget, seed=seed, actions=actions,
+                              lineage=lineage, min_tensor_bytes=MIN_TENSOR_BYTES)
+        try:
+            assert_identical(reference, managed)
+            difference = ""
+        except AssertionError as error:
+            difference = str(error)[:500]
+        verdicts[f"{actions}/{lineage}"] = {
+            "difference": difference,
+            "budget": budget,
+            **{key: managed.stats[key] for key in ("reserved_bytes.all.peak", "num_ooms", "swap_out_bytes",
+                                                   "drop_count", "recompute_count")},
+        }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(verdicts, handle)
+    dist.destroy_process_group()
+
+
+def test_ddp_ranks_train_exactly_under_half_their_peak(tmp_path):
+    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    # The ranks saw different batches: one rank's losses are not the other's.
+    assert ranks[0]["losses"] != ranks[1]["losses"]
+    for rank, verdicts in enumerate(ranks):
+        for actions, lineage in CONFIGS:
+            verdict = verdicts[f"{actions}/{lineage}"]
+            where = f"rank {rank}, {actions} under the {lineage} recorder: {verdict}"
+            assert verdict["difference"] == "", where
+            assert verdict["reserved_bytes.all.peak"] <= verdict["budget"], where
+            assert verdict["num_ooms"] == 0, where
+            if actions == "swap":
+                assert verdict["swap_out_bytes"] > 0 and verdict["recompute_count"] == 0, where
+            if actions == "recompute":
+                assert verdict["recompute_count"] > 0 and verdict["swap_out_bytes"] == 0, where
