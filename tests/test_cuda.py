@@ -24,9 +24,10 @@ PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 MiB = 1 << 20
 
 
-def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter that imports membudget from this tree."""
-    env = dict(os.environ)
+def run_python(code: str, timeout: float = 120, env: dict = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter that imports membudget from this tree
+    (in ``env``, default this process's environment)."""
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -222,6 +223,37 @@ def test_training_under_a_budget_matches_unmanaged_run():
     assert managed["peak"] <= managed["budget"]
     assert managed["swapped"] > 0
     assert managed["losses"] == pytest.approx(unmanaged["losses"], rel=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("local_rank", [None, "last", "99"])
+def test_install_picks_its_device_without_starting_torch_cuda(local_rank):
+    """Note [Device chosen before torch.cuda starts]: install() with no device
+    named leaves torch.cuda uninitialised until swapped, manages the local
+    rank's device under a launcher (the runtime's current one when the rank
+    is beyond the visible devices), and the first tensor lands there."""
+    environment = dict(os.environ)
+    environment.pop("LOCAL_RANK", None)
+    last = torch.cuda.device_count() - 1  # counts without initialising torch.cuda here
+    if local_rank is not None:
+        environment["LOCAL_RANK"] = str(last) if local_rank == "last" else local_rank
+    result = run_python("""
+        import json, torch, membudget
+        config = membudget.install(budget="50%")
+        from membudget._cuda_install import installed_cuda_allocator_path
+        x = torch.ones(1 << 20, device="cuda")
+        stats = membudget.memory_stats()
+        print(json.dumps({"path": installed_cuda_allocator_path(), "device": x.device.index,
+                          "current": torch.cuda.current_device(), "allocated": stats["allocated_bytes.all.current"],
+                          "budget": stats["budget_bytes"],
+                          "half": torch.cuda.get_device_properties(x.device.index).total_memory // 2}))
+    """, env=environment)
+    out = last_json_line(result)
+    expected = last if local_rank == "last" else 0
+    assert out["path"] == "hooks"
+    assert out["device"] == out["current"] == expected
+    assert out["allocated"] >= 4 << 20
+    assert out["budget"] == out["half"]
 
 
 @requires_cuda

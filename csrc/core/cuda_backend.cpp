@@ -379,4 +379,18 @@ int cuda_device_count() {
   return count;
 }
 
+int cuda_current_device() {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice", -1);
+  return device;
+}
+
+void cuda_set_current_device(int device) { check(cudaSetDevice(device), "cudaSetDevice", device); }
+
+size_t cuda_total_memory(int device) {
+  cudaDeviceProp properties{};
+  check(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties", device);
+  return properties.totalGlobalMem;
+}
+
 }  // namespace membudget

@@ -78,4 +78,12 @@ std::unique_ptr<Backend> make_cuda_backend(int device);
 // no device. (Without the toolkit this is not defined; the binding reports 0.)
 int cuda_device_count();
 
+// The CUDA runtime's current device of this thread (0 unless something set
+// it), setting it, and a device's total memory, through the runtime alone: asking
+// torch.cuda instead initialises it, after which its allocator can no longer
+// be replaced. Both throw std::runtime_error naming the failed call.
+int cuda_current_device();
+void cuda_set_current_device(int device);
+size_t cuda_total_memory(int device);
+
 }  // namespace membudget

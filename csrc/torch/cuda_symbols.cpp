@@ -246,6 +246,40 @@ void bind_cuda(py::module_& m) {
         },
         "Number of CUDA devices membudget's backend sees; 0 without driver, device "
         "or CUDA backend. Never raises, and does not initialise torch.cuda.");
+  m.def("cuda_current_device",
+        []() {
+#ifdef MEMBUDGET_WITH_CUDA
+          return cuda_current_device();
+#else
+          return 0;
+#endif
+        },
+        "The CUDA runtime's current device on this thread (0 unless set), read without "
+        "initialising torch.cuda.");
+  m.def("cuda_set_current_device",
+        [](int device) {
+#ifdef MEMBUDGET_WITH_CUDA
+          cuda_set_current_device(device);
+#else
+          (void)device;
+          throw std::runtime_error("membudget: this build of the extension has no CUDA backend");
+#endif
+        },
+        py::arg("device"),
+        "Make `device` the CUDA runtime's current device on this thread (what "
+        "torch.cuda.current_device() reads), without initialising torch.cuda.");
+  m.def("cuda_total_memory",
+        [](int device) -> size_t {
+#ifdef MEMBUDGET_WITH_CUDA
+          return cuda_total_memory(device);
+#else
+          (void)device;
+          return 0;
+#endif
+        },
+        py::arg("device"),
+        "Total memory of CUDA device `device` in bytes (as torch's total_memory), read "
+        "without initialising torch.cuda; 0 without a CUDA backend.");
   m.def("extension_path", &extension_path,
         "Path of this extension module, for CUDAPluggableAllocator(path, ...).");
   py::dict symbols;

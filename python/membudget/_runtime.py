@@ -86,6 +86,7 @@ peak with a 2 MiB host tier then ran out of memory every time: not kept.)
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Callable, Iterable, Optional, Tuple, Union
 
@@ -117,23 +118,44 @@ _started_thread_mode = threading.local()  # .mode: a started thread's LineageMod
 _native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
 
 
-def _choose_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+def _choose_device(native, device: Optional[Union[str, torch.device]]) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", _default_cuda_index(native)) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("membudget.install(device='cuda'): no CUDA device is visible")
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", _default_cuda_index(native))
     elif device.type != "cpu":
         raise ValueError(f"membudget.install(device={str(device)!r}): supported devices are 'cpu' and 'cuda'")
     return device
 
 
+def _default_cuda_index(native) -> int:
+    """Note [Device chosen before torch.cuda starts]: the CUDA device that
+    ``install()`` manages when none is named. torch's allocator can be
+    replaced only before ``torch.cuda`` initialises, and
+    ``torch.cuda.current_device()`` and ``get_device_properties()``
+    initialise it: asking them made every first ``install()`` on a GPU refuse
+    with "torch.cuda is already initialised". So the index and the capacity
+    come from the CUDA runtime itself. A process that a launcher started as
+    one of several per machine (``torchrun`` sets ``LOCAL_RANK``) manages its
+    local rank's device when it sees that many, as scripts pick it with
+    ``torch.cuda.set_device(local_rank)`` after ``install()`` has already run
+    (``membudget run``); otherwise (one visible device per process, or no
+    launcher) the runtime's current device."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if local_rank.isdigit() and int(local_rank) < native.cuda_device_count():
+        return int(local_rank)
+    return native.cuda_current_device()
+
+
 def _device_capacity(native, device: torch.device) -> int:
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device.index).total_memory)
+        return int(native.cuda_total_memory(device.index))
     return int(native.device_capacity("cpu"))
 
 
@@ -225,7 +247,7 @@ def install(
         compile=compile,
     )
     native = load_extension()
-    target = _choose_device(device)
+    target = _choose_device(native, device)
     budget_bytes = config.budget_bytes(_device_capacity(native, target)) or 0
     settings = {
         "budget_bytes": budget_bytes,
@@ -250,6 +272,10 @@ def install(
             from ._cuda_install import install_cuda_allocator
 
             install_cuda_allocator()
+            if not torch.cuda.is_initialized() and native.cuda_current_device() != target.index:
+                # Note [Device chosen before torch.cuda starts]: the managed
+                # device is the one torch allocates on by default.
+                native.cuda_set_current_device(target.index)
         if _hooks_thread is not None and _hooks_thread != threading.get_ident():
             raise RuntimeError("membudget.install() again must run on the thread that called it first")
         if _hooks_thread is not None:
