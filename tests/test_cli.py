@@ -1,6 +1,7 @@
 """Behaviour of the ``membudget`` command line: usage errors exit 2 with a clear
 message, and ``run`` passes argv, sys.path[0] and the exit code through like
 ``python`` does, with install() called before the script's first line."""
+import json
 import os
 import subprocess
 import sys
@@ -209,3 +210,78 @@ def test_run_subprocess_expandable_segments_flag(tmp_path, flag, expected):
     result = run_cli("run", "--budget", "64MiB", "--expandable-segments", flag, str(path))
     assert result.returncode == 0, result.stderr
     assert f'"expandable": {str(expected).lower()}, "within": true' in result.stdout
+
+
+# Note [Launchers run their workers under membudget]: a DDP script as torchrun
+# starts it, one worker per rank over gloo. Each rank prints what it trained.
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()) for _ in range(8)])
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(512, 256)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    managed = "membudget" in sys.modules and sys.modules["membudget"].is_installed()
+    stats = sys.modules["membudget"].memory_stats() if managed else {}
+    print("RANK " + json.dumps({"rank": rank, "managed": managed, "losses": losses,
+                                "budget": stats.get("budget_bytes", 0),
+                                "swap_out_bytes": stats.get("swap_out_bytes", 0),
+                                "peak": stats.get("reserved_bytes.all.peak", 0)}), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _ranks_reported(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RANK ")]
+    return {report["rank"]: report for report in (json.loads(line[5:]) for line in lines)}
+
+
+@pytest.mark.requires_native
+@pytest.mark.parametrize("launcher", [["torchrun"], ["-m", "torch.distributed.run"]])
+def test_run_through_torchrun_manages_every_worker(tmp_path, launcher):
+    """``membudget run torchrun ... train.py`` manages each worker under the
+    budget (it used to manage only the launcher, which trains nothing), and
+    the workers train as plain torchrun's do, bit for bit."""
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    torchrun = ["--standalone", "--nproc-per-node", "2", str(script)]
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    managed = run_cli("run", "--budget", "9MiB", "--min-tensor-bytes", "16KiB", *launcher, *torchrun,
+                      env={"OMP_NUM_THREADS": "1"})
+    plain_ranks, managed_ranks = _ranks_reported(plain), _ranks_reported(managed)
+    assert sorted(managed_ranks) == sorted(plain_ranks) == [0, 1]
+    for rank, report in managed_ranks.items():
+        assert report["managed"] and not plain_ranks[rank]["managed"]
+        assert report["budget"] == 9 << 20
+        assert 0 < report["peak"] <= report["budget"]
+        assert report["swap_out_bytes"] > 0  # the budget forced eviction
+        assert report["losses"] == plain_ranks[rank]["losses"]
+
+
+def test_run_through_torchrun_without_python_workers_says_what_to_do(capsys, isolated_process_state):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["run", "torchrun", "--nproc-per-node", "2", "--no-python", "train.sh"])
+    assert exited.value.code == 2
+    assert "--no-python ... membudget run train.py" in capsys.readouterr().err
+
+
+def test_launcher_arguments_put_the_workers_under_membudget():
+    from membudget.cli import _workers_under_membudget
+
+    assert _workers_under_membudget(["--nproc-per-node", "8", "train.py", "--lr", "3"], stats=False) == [
+        "--nproc-per-node", "8", "--module", "membudget", "run", "train.py", "--lr", "3"]
+    assert _workers_under_membudget(["--standalone", "-m", "pkg.train", "-x"], stats=True) == [
+        "--standalone", "-m", "membudget", "run", "--stats", "-m", "pkg.train", "-x"]

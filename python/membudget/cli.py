@@ -133,6 +133,42 @@ def _print_stats_at_exit() -> None:
     print(f"membudget stats:\n{stats}", file=sys.stderr)
 
 
+# Note [Launchers run their workers under membudget]: ``membudget run
+# torchrun --nproc-per-node 8 train.py`` used to install membudget in the
+# launcher, which trains nothing, while the workers it started ran as plain
+# ``python train.py``: unmanaged, silently. (On a GPU machine it would also
+# have opened a CUDA context on device 0 in the launcher.) Now the launcher
+# runs uninstalled, and its worker command becomes ``-m membudget run
+# train.py``, which each worker installs from the settings the launcher's
+# flags wrote into the environment, on its LOCAL_RANK's device (Note [Device
+# chosen before torch.cuda starts] in _runtime.py). The launcher's own parser
+# finds where its options end, so its flags stay as given.
+_LAUNCHER_MODULES = frozenset({"torch.distributed.run"})
+_LAUNCHER_SCRIPTS = frozenset({"torchrun"})
+
+
+def _workers_under_membudget(launcher_args: Sequence[str], stats: bool) -> List[str]:
+    """The launcher's arguments with its worker command run through
+    ``membudget run`` (Note [Launchers run their workers under membudget])."""
+    from torch.distributed.run import get_args_parser
+
+    launcher_args = list(launcher_args)
+    parsed = get_args_parser().parse_args(launcher_args)
+    if parsed.no_python:
+        raise _UsageError(
+            "the launcher's workers are not Python (--no-python): put membudget in the worker "
+            "command instead, e.g. torchrun --no-python ... membudget run train.py")
+    position = len(launcher_args) - len(parsed.training_script_args) - 1
+    if position < 0 or launcher_args[position] != parsed.training_script:
+        raise _UsageError("cannot tell where the launcher's options end: put membudget in the worker "
+                          "command instead, e.g. torchrun ... -m membudget run train.py")
+    worker = ["run"] + (["--stats"] if stats else []) + (["-m"] if parsed.module else [])
+    worker += [parsed.training_script, *parsed.training_script_args]
+    # As a module: the launcher then runs `python -m membudget run ...`.
+    module_flag = [] if parsed.module else ["--module"]
+    return launcher_args[:position] + module_flag + ["membudget"] + worker
+
+
 def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> object:
     option_tokens, target = _split_run_arguments(tokens)
     options = run_parser.parse_args(option_tokens)
@@ -142,16 +178,31 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
         script_args = target[1:] if target[0][2:] else target[2:]
         if not module:
             run_parser.error("-m needs a module name")
+    elif target and not os.path.isfile(target[0]) and target[0] in _LAUNCHER_SCRIPTS:
+        module, script_args = "torch.distributed.run", target[1:]  # torchrun's own entry point
     elif target:
         script, script_args = target[0], target[1:]
         if not os.path.isfile(script):
             run_parser.error(f"cannot run {script!r}: no such file")
+        if os.path.basename(script) in _LAUNCHER_SCRIPTS:
+            module = "torch.distributed.run"
     else:
         run_parser.error("missing script: give script.py [args ...] or -m module [args ...]")
     try:
         _apply_settings(options)
     except _UsageError as error:
         run_parser.error(str(error))
+    if module in _LAUNCHER_MODULES:
+        try:
+            launcher_args = _workers_under_membudget(script_args, options.stats)
+        except _UsageError as error:
+            run_parser.error(str(error))
+        sys.argv = [module, *launcher_args]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_request:
+            return exit_request.code
+        return 0
 
     import membudget
 
@@ -170,14 +221,35 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
     try:
         if module is not None:
             sys.argv = [module, *script_args]  # run_module replaces argv[0] with the file
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            script_globals = runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             sys.argv = [script, *script_args]
             sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
+            script_globals = runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_request:
         return exit_request.code
+    _let_collective_threads_finish()
+    del script_globals  # the script's objects (a DDP model, its process group) go here
     return 0
+
+
+def _let_collective_threads_finish() -> None:
+    """Note [Process groups torn down with the GIL held]: torch destroys a
+    gloo process group (when the last DDP model holding it goes) with the
+    GIL held, and its destructor joins the group's worker threads. A worker
+    still releasing the last collective's work needs the GIL for that when
+    the work captured Python objects in its thread-local state (the
+    saved-tensor hooks membudget keeps pushed): the two then wait for each
+    other (PyTorch issue 56297). Under ``membudget run torchrun ...`` on the
+    CPU, 3 of 22 two-rank runs had a worker hang at exit this way. Before the
+    script's globals go, this thread lets go of the GIL for a moment so such
+    workers can finish: 0 of 20 hung after (``bench/RESULTS.md``, session
+    32). A script that raises or calls ``sys.exit()`` tears its globals down
+    before this point, unprotected."""
+    if "torch.distributed" in sys.modules:
+        import time
+
+        time.sleep(0.05)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> object:
