@@ -226,6 +226,26 @@ def test_training_under_a_budget_matches_unmanaged_run():
 
 
 @requires_cuda
+def test_a_refused_install_leaves_nothing_installed():
+    """install() after CUDA was used raises, and leaves no runtime that a
+    second install() would take for a working one."""
+    result = run_python("""
+        import json, torch, membudget
+        torch.zeros(1, device="cuda")
+        errors = []
+        for _ in range(2):
+            try:
+                membudget.install(budget="1GiB")
+            except RuntimeError as error:
+                errors.append(str(error))
+        print(json.dumps({"errors": errors, "installed": membudget.is_installed()}))
+    """)
+    out = last_json_line(result)
+    assert len(out["errors"]) == 2 and all("already initialised" in error for error in out["errors"])
+    assert out["installed"] is False
+
+
+@requires_cuda
 @pytest.mark.parametrize("local_rank", [None, "last", "99"])
 def test_install_picks_its_device_without_starting_torch_cuda(local_rank):
     """Note [Device chosen before torch.cuda starts]: install() with no device

@@ -67,7 +67,12 @@ void membudget_cuda_free(void* ptr, size_t /*size*/, int /*device*/, void* /*str
 
 void membudget_cuda_record_stream(void* ptr, void* stream) {
   if (ptr == nullptr) return;
-  runtime_or_throw("record_stream").device_allocator().record_stream(ptr, stream);
+  membudget::CachingAllocator& allocator = runtime_or_throw("record_stream").device_allocator();
+  // Memory another allocator handed out (a CUDA tensor received from another
+  // process, one imported through DLPack) is not ours to defer: torch's own
+  // allocator skips such tensors too, where this raised "not live".
+  if (!allocator.owns(ptr)) return;
+  allocator.record_stream(ptr, stream);
 }
 
 void membudget_cuda_empty_cache() {

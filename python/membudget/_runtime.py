@@ -266,12 +266,25 @@ def install(
     if plan is not None and not config.records_lineage:
         raise ValueError("membudget.install(plan=...) needs recomputation: use actions='recompute' or 'both'")
     with _state_lock:
-        first_cuda_install = target.type == "cuda" and native.runtime_kind() == "none"
+        from ._cuda_install import check_cuda_allocator_swappable, install_cuda_allocator, installed_cuda_allocator_path
+
+        # Until torch's allocator is ours, every install() tries to make it
+        # so; whether the swap can still happen is checked before a runtime
+        # exists. A runtime left behind by a refused swap made the next
+        # install() skip the swap and report itself installed while torch's
+        # own allocator served every tensor, with no budget enforced.
+        first_cuda_install = target.type == "cuda" and installed_cuda_allocator_path() is None
+        if first_cuda_install:
+            check_cuda_allocator_swappable()
+        had_runtime = native.runtime_kind() != "none"
         native.install_runtime(target.type, target.index or 0, settings)
         if first_cuda_install:
-            from ._cuda_install import install_cuda_allocator
-
-            install_cuda_allocator()
+            try:
+                install_cuda_allocator()
+            except BaseException:
+                if not had_runtime:
+                    native.uninstall_runtime()
+                raise
             if not torch.cuda.is_initialized() and native.cuda_current_device() != target.index:
                 # Note [Device chosen before torch.cuda starts]: the managed
                 # device is the one torch allocates on by default.
