@@ -69,6 +69,37 @@ def test_cuda_build_info_does_not_initialise_cuda():
     assert info["installed_cuda_allocator"] is None
 
 
+def test_the_torch_cuda_hooks_compile_against_this_torch(tmp_path):
+    """csrc/torch/cuda_pluggable_hooks.cpp is built only against a CUDA torch
+    (the GPU machine's), so CPU builds and CI never compiled it. Here it is
+    compiled, syntax only, against this torch's headers: a CPU wheel ships
+    the CUDA allocator headers but not the one generated macro header, which
+    a stand-in provides."""
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch has CUDA: the build itself compiles the hooks")
+    cuda_include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+    compiler = os.environ.get("CXX", "g++")
+    if not (cuda_include / "cuda_runtime_api.h").exists() or subprocess.run(
+            ["which", compiler], capture_output=True).returncode != 0:
+        pytest.skip("needs the CUDA toolkit's headers and a C++ compiler")
+    stub = tmp_path / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[1]
+    command = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror=overloaded-virtual",
+               "-DMEMBUDGET_TORCH_CUDA=1", "-DMEMBUDGET_WITH_CUDA=1", "-DUSE_CUDA=1",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+               f"-I{tmp_path}", f"-I{sysconfig.get_paths()['include']}", f"-I{cuda_include}", f"-I{root / 'csrc'}"]
+    command += [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    result = subprocess.run(command + [str(root / "csrc" / "torch" / "cuda_pluggable_hooks.cpp")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
 def test_install_without_a_device_is_a_clear_error():
     from membudget._cuda_install import install_cuda_allocator
