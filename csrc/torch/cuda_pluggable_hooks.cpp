@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/caching_allocator.h"
@@ -63,6 +64,7 @@ using StatsDevice = AllocatorMethod<decltype(&PluggableBase::getDeviceStats)>::d
 using CacheInfoDevice = AllocatorMethod<decltype(&PluggableBase::cacheInfo)>::device_index;
 using PeakDevice = AllocatorMethod<decltype(&PluggableBase::resetPeakStats)>::device_index;
 using AccumulatedDevice = AllocatorMethod<decltype(&PluggableBase::resetAccumulatedStats)>::device_index;
+using PoolDevice = AllocatorMethod<decltype(&PluggableBase::beginAllocateToPool)>::device_index;
 
 // StatType::AGGREGATE ("all" in torch.cuda.memory_stats keys). The enum moved
 // namespaces with DeviceStats; its value has been 0 in every version. The
@@ -162,6 +164,23 @@ class BudgetedPluggableAllocator final : public PluggableBase {
     runtime->manager().reset_counters();
     runtime->device_allocator().reset_counters();
     runtime->host_tier().reset_counters();
+  }
+
+  // Note [CUDA graphs refused]: a captured graph replays into the addresses
+  // it was captured with, so torch gives capture a private pool that nothing
+  // else may reuse until the graph goes. membudget has no such pools, and
+  // its budget frees and reuses blocks at will: a replayed graph would write
+  // into memory that other tensors hold by then, silently. torch calls this
+  // as capture begins (torch.cuda.graph, torch.compile's
+  // mode="reduce-overhead"), so the refusal comes before anything is
+  // captured, with what to use instead.
+  void beginAllocateToPool(PoolDevice /*device*/, c10::cuda::MempoolId_t /*mempool_id*/,
+                           std::function<bool(cudaStream_t)> /*filter*/) override {
+    TORCH_CHECK(false,
+                "membudget: CUDA graph capture is not supported under a membudget allocator (its "
+                "budget reuses memory a captured graph would keep writing to). Compile with "
+                "torch.compile(mode=\"default\") or mode=\"max-autotune-no-cudagraphs\", or "
+                "run without membudget.");
   }
 };
 
