@@ -3,6 +3,7 @@ message, and ``run`` passes argv, sys.path[0] and the exit code through like
 ``python`` does, with install() called before the script's first line."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,8 +245,9 @@ DDP_SCRIPT = textwrap.dedent(
 
 def _ranks_reported(result: subprocess.CompletedProcess) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RANK ")]
-    return {report["rank"]: report for report in (json.loads(line[5:]) for line in lines)}
+    # The workers share the launcher's stdout: two reports can land on one line.
+    reports = [json.loads(found) for found in re.findall(r"RANK (\{[^{}]*\})", result.stdout)]
+    return {report["rank"]: report for report in reports}
 
 
 @pytest.mark.requires_native
