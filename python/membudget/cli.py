@@ -197,9 +197,11 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
             launcher_args = _workers_under_membudget(script_args, options.stats)
         except _UsageError as error:
             run_parser.error(str(error))
-        sys.argv = [module, *launcher_args]
+        from torch.distributed.run import main as run_launcher  # torchrun's entry point
+
+        sys.argv = ["torchrun", *launcher_args]
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            run_launcher(launcher_args)
         except SystemExit as exit_request:
             return exit_request.code
         return 0
