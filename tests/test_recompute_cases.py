@@ -349,6 +349,28 @@ def test_input_written_where_lineage_cannot_see_is_a_clear_error():
         _grads(build, _input_written_after_forward(write_there), evict=True, actions="recompute")
 
 
+def test_an_input_freed_and_gathered_again_as_fsdp2_does_is_a_clear_error():
+    # Note [Held inputs freed under us]: FSDP2 frees a block's gathered
+    # parameters after its forward (untyped_storage().resize_(0)) and gathers
+    # them again before its backward; no version counter moves. A replay in
+    # between read freed memory and failed inside an op with torch's "data is
+    # not allocated yet"; it now says what happened and what to do.
+    def run(model, x, evict):
+        with torch.no_grad():  # FSDP2 gathers unrecorded: a held input
+            gathered = model[0].weight.clone()
+        # add saves nothing: only a replay of tanh's saved result reads it
+        loss = model(torch.tanh(x + gathered[0])).square().mean()
+        if evict:
+            _evict_everything()
+        gathered.untyped_storage().resize_(0)
+        loss.backward()
+        return loss
+
+    build = lambda: nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(RecomputeError, match="storage freed after forward .*MEMBUDGET_ACTIONS=swap"):
+        _grads(build, run, evict=True, actions="recompute")
+
+
 def test_input_written_on_a_thread_started_after_install_is_rescued():
     # A thread started after install() records (Note [Recording on started
     # threads]): its write is seen before it lands and what reads the input

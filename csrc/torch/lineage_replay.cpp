@@ -15,6 +15,14 @@
 namespace py = pybind11;
 
 namespace membudget {
+
+namespace {
+// Note [Held inputs freed under us] (replay.py): the same words as there.
+constexpr const char* kFreedInput =
+    "membudget: an input of a dropped activation had its storage freed after forward (FSDP2 frees each "
+    "block's gathered parameters so); it cannot be recomputed: train with MEMBUDGET_ACTIONS=swap";
+}  // namespace
+
 namespace lineage {
 namespace {
 
@@ -256,7 +264,13 @@ class Replayer {
                           std::to_string(ref.tensor_version) + " -> " + std::to_string(version) +
                           "); it cannot be recomputed");
       }
-      if (held.tensor.defined()) return held.tensor;
+      if (held.tensor.defined()) {
+        // Note [Held inputs freed under us] (replay.py).
+        if (held.tensor.has_storage() && held.tensor.numel() > 0 && held.tensor.storage().nbytes() == 0) {
+          throw ReplayError(kFreedInput);
+        }
+        return held.tensor;
+      }
       // Held through its entry (Note [Held inputs reached through their
       // entry]): swapped in if it is on host.
       at::Tensor stored = entry_storage(held.entry->id());

@@ -36,6 +36,16 @@ MAX_REPLAY_DEPTH = 200
 Closure = Tuple[bool, float, Set[int], FrozenSet[int], str]
 
 
+# Note [Held inputs freed under us]: FSDP2 (fully_shard) frees each block's
+# gathered parameters after its forward with untyped_storage().resize_(0)
+# and gathers them into the same storage again for its backward. No version
+# counter moves, so neither recorder sees it, and a replay that read such a
+# parameter before it was gathered again failed deep in an op with torch's
+# "data is not allocated yet". The replay now refuses with what to do.
+_FREED_INPUT = ("membudget: an input of a dropped activation had its storage freed after forward (FSDP2 frees each "
+                "block's gathered parameters so); it cannot be recomputed: train with MEMBUDGET_ACTIONS=swap")
+
+
 class RecomputeError(RuntimeError):
     """A dropped activation could not be rebuilt exactly (an input changed
     since forward, or lineage is missing). Raised from backward's unpack."""
@@ -237,7 +247,10 @@ class _Replayer:
                     "membudget: an input of a dropped activation was modified in place after forward "
                     f"(version {ref.tensor_version} -> {source.version()}); it cannot be recomputed")
             if source.tensor is not None:
-                return source.tensor
+                held = source.tensor
+                if held.numel() and held.untyped_storage().nbytes() == 0:
+                    raise RecomputeError(_FREED_INPUT)
+                return held
             # Held through its entry (Note [Held inputs reached through their
             # entry] in csrc/torch/lineage_recorder.cpp): swapped in if on host.
             stored = self._resident(source.handle.entry_id)
