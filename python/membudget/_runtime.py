@@ -85,8 +85,10 @@ peak with a 2 MiB host tier then ran out of memory every time: not kept.)
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import sys
 import threading
 from typing import Callable, Iterable, Optional, Tuple, Union
 
@@ -116,6 +118,7 @@ _started_thread_hooks: Optional[Tuple[Callable, Callable]] = None
 _started_thread_recorder = None
 _started_thread_mode = threading.local()  # .mode: a started thread's LineageMode
 _native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
+_exit_pause_registered = False  # Note [Process groups torn down with the GIL held]
 
 
 def _choose_device(native, device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -230,7 +233,7 @@ def install(
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
     """
-    global _hooks_thread
+    global _hooks_thread, _exit_pause_registered
     config = Config.from_env(
         budget=budget,
         host_budget=host_budget,
@@ -296,6 +299,9 @@ def install(
         _push_hooks(native, config, plan, target, recording=config.records_lineage and budget_bytes > 0)
         _hooks_thread = threading.get_ident()
         _manage_threads_started_from_now()
+        if not _exit_pause_registered:
+            atexit.register(let_collective_threads_finish)
+            _exit_pause_registered = True
         if budget_bytes > 0 and config.checkpoint == "replace":
             _checkpoint_regions.replace_regions()
         else:
@@ -306,6 +312,27 @@ def install(
         else:
             _compiled_under_budget.leave_compiles(forget_plans=True)
     return config
+
+
+def let_collective_threads_finish() -> None:
+    """Note [Process groups torn down with the GIL held]: torch destroys a
+    gloo process group (when the last DDP model holding it goes) with the
+    GIL held, and its destructor joins the group's worker threads. A worker
+    still releasing the last collective's work needs the GIL for that when
+    the work captured Python objects in its thread-local state (such as the
+    saved-tensor hooks membudget keeps pushed): the two then wait for each
+    other (PyTorch issue 56297). Under ``membudget run torchrun ...`` on the
+    CPU, 3 of 22 two-rank runs had a worker hang at exit this way. Before the
+    script's globals go, this thread lets go of the GIL for a moment so such
+    workers can finish: 0 of 20 hung after (``bench/RESULTS.md``, session
+    32). ``install()`` also runs this at exit, before ``__main__``'s globals
+    go, for scripts that install in code. A script that raises or calls
+    ``sys.exit()`` under ``membudget run`` tears its globals down before
+    either point, unprotected."""
+    if "torch.distributed" in sys.modules:
+        import time
+
+        time.sleep(0.05)
 
 
 def _manage_threads_started_from_now() -> None:

@@ -230,28 +230,11 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
             script_globals = runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_request:
         return exit_request.code
-    _let_collective_threads_finish()
+    from membudget._runtime import let_collective_threads_finish
+
+    let_collective_threads_finish()
     del script_globals  # the script's objects (a DDP model, its process group) go here
     return 0
-
-
-def _let_collective_threads_finish() -> None:
-    """Note [Process groups torn down with the GIL held]: torch destroys a
-    gloo process group (when the last DDP model holding it goes) with the
-    GIL held, and its destructor joins the group's worker threads. A worker
-    still releasing the last collective's work needs the GIL for that when
-    the work captured Python objects in its thread-local state (the
-    saved-tensor hooks membudget keeps pushed): the two then wait for each
-    other (PyTorch issue 56297). Under ``membudget run torchrun ...`` on the
-    CPU, 3 of 22 two-rank runs had a worker hang at exit this way. Before the
-    script's globals go, this thread lets go of the GIL for a moment so such
-    workers can finish: 0 of 20 hung after (``bench/RESULTS.md``, session
-    32). A script that raises or calls ``sys.exit()`` tears its globals down
-    before this point, unprotected."""
-    if "torch.distributed" in sys.modules:
-        import time
-
-        time.sleep(0.05)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> object:
