@@ -8,6 +8,7 @@ the allocator is process-wide and can be set only before CUDA is first used.
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -81,8 +82,7 @@ def test_the_torch_cuda_hooks_compile_against_this_torch(tmp_path):
         pytest.skip("this torch has CUDA: the build itself compiles the hooks")
     cuda_include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
     compiler = os.environ.get("CXX", "g++")
-    if not (cuda_include / "cuda_runtime_api.h").exists() or subprocess.run(
-            ["which", compiler], capture_output=True).returncode != 0:
+    if not (cuda_include / "cuda_runtime_api.h").exists() or shutil.which(compiler) is None:
         pytest.skip("needs the CUDA toolkit's headers and a C++ compiler")
     stub = tmp_path / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)

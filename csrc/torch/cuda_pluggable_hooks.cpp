@@ -35,7 +35,6 @@
 
 #include "core/caching_allocator.h"
 #include "core/cuda_backend.h"
-#include "core/residency_manager.h"
 #include "torch/cuda_symbols.h"
 #include "torch/runtime.h"
 
@@ -147,23 +146,16 @@ class BudgetedPluggableAllocator final : public PluggableBase {
   }
 
   // torch.cuda.reset_peak_memory_stats(): the same as
-  // membudget.reset_peak_stats() (runtime.cpp), so both views agree.
+  // membudget.reset_peak_stats() (Runtime::reset_peak_stats), so both views agree.
   void resetPeakStats(PeakDevice device) override {
-    if (device_allocator_for(static_cast<int>(device)) == nullptr) return;
-    Runtime* runtime = Runtime::get();
-    runtime->device_allocator().reset_peak_stats();
-    runtime->host_tier().reset_peak_stats();
+    if (device_allocator_for(static_cast<int>(device)) != nullptr) Runtime::get()->reset_peak_stats();
   }
 
   // torch.cuda.reset_accumulated_memory_stats(): the same as
-  // membudget.reset_counters() (runtime.cpp); torch's version zeroes
+  // membudget.reset_counters() (Runtime::reset_counters); torch's version zeroes
   // num_alloc_retries and num_ooms, which are membudget's counters here.
   void resetAccumulatedStats(AccumulatedDevice device) override {
-    if (device_allocator_for(static_cast<int>(device)) == nullptr) return;
-    Runtime* runtime = Runtime::get();
-    runtime->manager().reset_counters();
-    runtime->device_allocator().reset_counters();
-    runtime->host_tier().reset_counters();
+    if (device_allocator_for(static_cast<int>(device)) != nullptr) Runtime::get()->reset_counters();
   }
 
   // Note [CUDA graphs refused]: a captured graph replays into the addresses

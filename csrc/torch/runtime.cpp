@@ -154,6 +154,17 @@ py::dict memory_stats() {
 
 }  // namespace
 
+void Runtime::reset_peak_stats() {
+  device_allocator_->reset_peak_stats();
+  host_tier_->reset_peak_stats();
+}
+
+void Runtime::reset_counters() {
+  manager_->reset_counters();
+  device_allocator_->reset_counters();
+  host_tier_->reset_counters();
+}
+
 Runtime* Runtime::get() { return g_runtime; }
 
 Runtime& Runtime::create(std::unique_ptr<Backend> backend, const std::string& device_kind,
@@ -284,17 +295,10 @@ void bind_runtime(py::module_& m) {
     if (Runtime* r = Runtime::get()) r->manager().set_out_of_memory_note(note);
   }, py::arg("note"), "Text appended to every out-of-memory message from now on (empty: none).");
   m.def("reset_peak_stats", []() {
-    if (Runtime* r = Runtime::get()) {
-      r->device_allocator().reset_peak_stats();
-      r->host_tier().reset_peak_stats();
-    }
+    if (Runtime* r = Runtime::get()) r->reset_peak_stats();
   });
   m.def("reset_counters", []() {
-    if (Runtime* r = Runtime::get()) {
-      r->manager().reset_counters();
-      r->device_allocator().reset_counters();
-      r->host_tier().reset_counters();
-    }
+    if (Runtime* r = Runtime::get()) r->reset_counters();
   });
   m.def("release_cached", []() -> size_t {
     Runtime* r = Runtime::get();

@@ -43,6 +43,12 @@ class Runtime {
   CachingAllocator& device_allocator() { return *device_allocator_; }
   CachingAllocator& host_tier() { return *host_tier_; }
   ResidencyManager& manager() { return *manager_; }
+
+  // What membudget.reset_peak_stats() and reset_counters() reset, and
+  // torch.cuda.reset_peak_memory_stats() / reset_accumulated_memory_stats()
+  // with them (Note [Torch memory queries]), so both views agree.
+  void reset_peak_stats();
+  void reset_counters();
   const RuntimeConfig& config() const { return config_; }
   void reconfigure(const RuntimeConfig& config);
   // "cpu" (HostBackend: torch CPU tensors are the managed memory) or "cuda".
