@@ -77,7 +77,7 @@ CopyInBacklog ResidencyManager::copy_in_backlog(bool with_planned) const {
 
 double ResidencyManager::loss_without_host_copy(const ResidencyEntry* entry) const {
   double loss = static_cast<double>(entry->bytes()) / link_bytes_per_s_;
-  if (entry->recomputable_ && allowed_.recompute) {
+  if (allowed_.recompute && replayable_now(entry)) {
     std::vector<uint64_t> visited;
     loss = std::min(loss, recompute_total(entry, visited));
   }

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,27 @@ namespace membudget {
 // when backward unpacks it is replayed on demand as any dropped entry; one
 // whose replay is still running on a side stream is waited for as a swap-in
 // is. The prefetch window counts it from queueing to its unpack.
+// Note [Held inputs freed under us]: a replay also reads inputs the manager
+// does not manage (parameters, small tensors). Their data can go while an
+// entry that reads them is resident: FSDP2 (fully_shard) frees each block's
+// gathered parameters after the block's forward (storage resize_(0)) and
+// gathers them into the same storage again for its backward; no version
+// counter moves. A drop then would be a replay that cannot run (or reads
+// nothing). The binding declares such inputs with the entry; the manager
+// asks each one whether its data is there before it drops the entry, or
+// any entry whose replay rebuilds it (ResidencyManager::replayable_now),
+// and swaps instead. Entries of the block that is running, whose parameters
+// are gathered, are dropped as usual, and replayed in its backward, where
+// they are gathered again.
+class HeldInput {
+ public:
+  virtual ~HeldInput() = default;
+  // Its data is there to read now. Called under the manager's lock: it must
+  // not allocate, free, or take another lock.
+  virtual bool present() const = 0;
+};
+using HeldInputs = std::vector<std::shared_ptr<const HeldInput>>;
+
 enum class Residency : uint8_t { resident, swapping_out, host, swapping_in, dropped, recomputing };
 
 const char* residency_name(Residency state);
@@ -99,6 +121,7 @@ class ResidencyEntry {
   std::string unrecomputable_reason_;
   double replay_seconds_ = 0.0;         // its own replay, down to live or managed inputs
   std::vector<uint64_t> inputs_;        // ids of managed entries the replay reads
+  HeldInputs held_inputs_;              // unmanaged inputs it reads (Note [Held inputs freed under us])
   std::vector<uint64_t> dependents_;    // ids of entries whose replay reads this one
   // Note [Replay overhead]: set when a replay on demand begins: its estimate
   // (without the learned overhead), how many replays it comprises (0: none

@@ -49,8 +49,8 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
     // Never unpacked again in the last iteration: as far away as it gets.
     c.next_use_distance = next < 0 ? order_.predicted_length() + 1 : next - now;
   }
-  c.recomputable = entry->recomputable_;
-  if (entry->recomputable_) {
+  c.recomputable = replayable_now(entry);
+  if (c.recomputable) {
     std::vector<uint64_t> visited;
     c.recompute_seconds = recompute_total(entry, visited);
     c.replay_seconds = entry->replay_seconds_;
@@ -168,7 +168,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   if (!entry->host_valid_) {
     if (!ensure_host_slot(entry)) {
       // The director saw room that another entry took since: recompute if it may.
-      return entry->recomputable_ && allowed_.recompute ? drop_for_recompute(entry) : 0;
+      return allowed_.recompute && replayable_now(entry) ? drop_for_recompute(entry) : 0;
     }
     const double waited = wait_blocked(copy_out(entry, stream, /*waited_at_once=*/true));
     log_copy_wait(entry, waited, "its copy to host");

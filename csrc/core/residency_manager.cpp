@@ -654,6 +654,12 @@ void ResidencyManager::reset_prediction() {
 
 namespace {
 
+// Note [Held inputs freed under us] (residency_entry.h), for an entry whose
+// replay could run once the input is back.
+constexpr const char* kInputFreedNow =
+    "an input its replay reads has no storage now (FSDP2 frees each block's gathered parameters after its "
+    "forward)";
+
 // " [6.00 MiB: reason; 2.00 MiB: reason]", largest first, at most three
 // (Note [Why not recomputable]).
 std::string describe_reasons(const std::map<std::string, size_t>& by_reason) {
@@ -696,9 +702,9 @@ std::string ResidencyManager::describe_evictable() const {
   std::map<std::string, size_t> by_reason;
   if (!allowed_.swap) {
     for (const ResidencyEntry* entry : entries_) {
-      if (is_evictable(entry) && entry->state_ == Residency::resident && !entry->recomputable_) {
+      if (is_evictable(entry) && entry->state_ == Residency::resident && !replayable_now(entry)) {
         unreleasable += entry->bytes();
-        by_reason[entry->unrecomputable_reason_] += entry->bytes();
+        by_reason[entry->recomputable_ ? kInputFreedNow : entry->unrecomputable_reason_] += entry->bytes();
       }
     }
   }

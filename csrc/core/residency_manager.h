@@ -165,9 +165,11 @@ class ResidencyManager final : public Evictor {
   // replayed at all, what its own replay costs, and which managed entries
   // (by id) the replay reads; when it cannot, `reason` says why for the
   // out-of-memory message (Note [Why not recomputable]). Until called, an
-  // entry is swap-only.
+  // entry is swap-only. `held`: the unmanaged inputs the replay reads whose
+  // data may go (Note [Held inputs freed under us] in residency_entry.h).
   void set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
-                          const std::vector<uint64_t>& input_ids, std::string reason = {});
+                          const std::vector<uint64_t>& input_ids, std::string reason = {},
+                          HeldInputs held = {});
   // A static plan wants this entry dropped (not stashed): it is dropped as
   // soon as nothing else references it. Returns false when it cannot be
   // (not recomputable, or recomputation not allowed by the actions).
@@ -333,6 +335,11 @@ class ResidencyManager final : public Evictor {
   bool is_evictable(const ResidencyEntry* entry) const;
   // Recompute and the director (residency_recompute.cpp).
   ResidencyEntry* find(uint64_t id) const;
+  // Whether dropping the entry now leaves a replay that can run: recomputable,
+  // every held input present, and so for each dropped ancestor the replay
+  // would rebuild (Note [Held inputs freed under us] in residency_entry.h).
+  bool replayable_now(const ResidencyEntry* entry) const;
+  bool replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
   // Its replay's cost with dropped ancestors' replays and host inputs'
   // copy-ins, each replay with the learned overhead (Note [Replay
   // overhead]); `replays`, when given, counts the replays it comprises.

@@ -33,10 +33,12 @@ ResidencyEntry* ResidencyManager::find(uint64_t id) const {
 }
 
 void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
-                                          const std::vector<uint64_t>& input_ids, std::string reason) {
+                                          const std::vector<uint64_t>& input_ids, std::string reason,
+                                          HeldInputs held) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!entry->registered_) return;
   entry->recomputable_ = recomputable;
+  entry->held_inputs_ = recomputable ? std::move(held) : HeldInputs{};
   entry->unrecomputable_reason_ = recomputable ? std::string() : std::move(reason);
   entry->replay_seconds_ = std::max(replay_seconds, 0.0);
   entry->inputs_.clear();
@@ -46,6 +48,26 @@ void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputab
     entry->inputs_.push_back(id);
     input->dependents_.push_back(entry->id());
   }
+}
+
+bool ResidencyManager::replayable_now(const ResidencyEntry* entry) const {
+  std::vector<uint64_t> visited;
+  return replayable_now(entry, visited);
+}
+
+bool ResidencyManager::replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const {
+  if (!entry->recomputable_) return false;
+  for (const auto& held : entry->held_inputs_) {
+    if (!held->present()) return false;
+  }
+  visited.push_back(entry->id());
+  for (uint64_t id : entry->inputs_) {
+    if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
+    const ResidencyEntry* input = find(id);
+    // A dropped input is rebuilt by this replay: its own held inputs are read too.
+    if (input != nullptr && input->state_ == Residency::dropped && !replayable_now(input, visited)) return false;
+  }
+  return true;
 }
 
 bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
@@ -62,7 +84,8 @@ void ResidencyManager::drop_planned() {
       // Declared unrecomputable since it was planned (rescued, or a second
       // history found for its storage: Note [One history per storage]).
       planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
-    } else if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry)) {
+    } else if (entry->state_ == Residency::resident && !entry->host_valid_ && is_evictable(entry) &&
+               replayable_now(entry)) {
       planned_.erase(planned_.begin() + static_cast<std::ptrdiff_t>(i));
       drop_for_recompute(entry);
       ++counters_.planned_drops;
@@ -137,7 +160,7 @@ Decision ResidencyManager::decide_for(const ResidencyEntry* entry, const Evictio
   facts.host_room = entry->host_copy_ != nullptr ||
                     host_tier_.stats().reserved_current + entry->bytes() <= host_tier_.budget() ||
                     host_tier_.largest_free_or_reservable() >= entry->bytes();
-  facts.recomputable = entry->recomputable_;
+  facts.recomputable = c.recomputable;
   facts.recompute_seconds = c.recompute_seconds;
   facts.link_bytes_per_s = link_bytes_per_s_;
   bool own_copy_reached = false;

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/residency_entry.h"
+
 namespace membudget {
 class StorageResidency;  // saved_activation.h
 namespace lineage {
@@ -55,6 +57,9 @@ struct External {
   std::shared_ptr<StorageResidency> entry;
   c10::VariableVersion version;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;
+  // Whether its storage has data now, made at the first declaration that
+  // reads it (Note [Held inputs freed under us] in core/residency_entry.h).
+  std::shared_ptr<const HeldInput> probe;
 };
 
 // A tensor argument of a recorded op (lineage.py's TensorRef).
@@ -102,6 +107,9 @@ struct Closure {
   const OpInfo* blame = nullptr;
   std::vector<uint64_t> deps;        // managed entries read (sorted)
   std::vector<uintptr_t> externals;  // external storages read (sorted)
+  // Held inputs its own replay reads (not those of the managed entries it
+  // reads), for Note [Held inputs freed under us] (core/residency_entry.h).
+  std::vector<std::shared_ptr<External>> held;
 };
 
 // How one storage was computed (Note [Storage lineage] in lineage.py).

@@ -57,6 +57,20 @@ std::string reason_of(const Closure& closure) {
   return closure.ok ? std::string() : reason_at(closure.why, closure.blame);
 }
 
+// The probes of the held inputs a declared replay reads, one per held input
+// shared by every entry that reads it (Note [Held inputs freed under us] in
+// core/residency_entry.h). Under the recorder's lock.
+HeldInputs held_probes(const Closure& closure) {
+  HeldInputs probes;
+  if (!closure.ok) return probes;
+  for (const auto& external : closure.held) {
+    if (!external->tensor.defined()) continue;  // held through its entry: managed
+    if (external->probe == nullptr) external->probe = held_storage(external->tensor);
+    if (external->probe != nullptr) probes.push_back(external->probe);
+  }
+  return probes;
+}
+
 template <typename T>
 void sort_unique(std::vector<T>& values) {
   std::sort(values.begin(), values.end());
@@ -107,6 +121,7 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
       if (ref.external != nullptr) {
         if (ref.scratch) continue;
         result->externals.push_back(ref.external->key);
+        result->held.push_back(ref.external);
         if (external_version(*ref.external) != ref.tensor_version) {
           blocked("an input its replay reads was changed in place after it was read", *node);
           ok = false;
@@ -129,10 +144,12 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
       seconds += sub->seconds;
       merge_into(result->deps, sub->deps);
       merge_into(result->externals, sub->externals);
+      merge_into(result->held, sub->held);
     }
   }
   sort_unique(result->deps);
   sort_unique(result->externals);
+  sort_unique(result->held);
   result->ok = ok;
   result->seconds = seconds;
   return result;
@@ -484,7 +501,8 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
       closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
   lineage->entry_id = entry_id;
   s.by_entry[entry_id] = lineage;
-  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result));
+  set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result),
+                           held_probes(*result));
   if (result->ok && s.plan != nullptr) {
     std::string name = lineage->producer->info->name;
     name.replace(name.find("::"), 2, ".");  // as str(OpOverload) spells it, which plans use
@@ -557,7 +575,8 @@ void redeclare_entries(RecorderState& s) {
     if (s.swap_only_entries.count(entry_id) != 0) continue;  // Note [Parts of a storage]
     std::shared_ptr<const Closure> result =
         closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
-    set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result));
+    set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result),
+                           held_probes(*result));
   }
 }
 

@@ -554,12 +554,38 @@ std::vector<uint64_t> live_entry_ids() {
   return ids;
 }
 
+namespace {
+
+class HeldStorage final : public HeldInput {
+ public:
+  // (Storage::getWeakStorageImpl is newer than the oldest torch supported.)
+  explicit HeldStorage(const c10::Storage& storage)
+      : impl_(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage.unsafeGetStorageImpl())) {}
+  // Lock-free, and never the last reference (whose release would free
+  // memory under the manager's lock): a weak reference keeps the StorageImpl
+  // object, not its data, so its size is readable until the weak one goes.
+  bool present() const override { return !impl_.expired() && impl_._unsafe_get_target()->nbytes() > 0; }
+
+ private:
+  c10::weak_intrusive_ptr<c10::StorageImpl> impl_;
+};
+
+}  // namespace
+
+std::shared_ptr<const HeldInput> held_storage(const at::Tensor& tensor) {
+  // Not the storage's size now: one freed already (a parameter FSDP2
+  // resharded before this pack) is what the probe must report.
+  if (!tensor.defined() || !tensor.has_storage() || tensor.numel() == 0) return nullptr;
+  return std::make_shared<const HeldStorage>(tensor.storage());
+}
+
 void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
-                              const std::vector<uint64_t>& input_ids, std::string reason) {
+                              const std::vector<uint64_t>& input_ids, std::string reason, HeldInputs held) {
   Runtime* runtime = Runtime::get();
   std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
   if (runtime == nullptr || residency == nullptr) return;
-  runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids, std::move(reason));
+  runtime->manager().set_recompute_info(residency.get(), recomputable, replay_seconds, input_ids, std::move(reason),
+                                        std::move(held));
 }
 
 size_t live_storage_residencies() {
@@ -609,10 +635,21 @@ void bind_saved_activation(py::module_& m) {
                                   timing + "'");
     }
   }, py::arg("timing"), "When queued replays ahead run on the CPU (Note [Recompute ahead timing]); for benchmarks");
-  m.def("set_recompute_info", &set_entry_recompute_info, py::arg("entry_id"), py::arg("recomputable"),
-        py::arg("replay_seconds"), py::arg("input_ids"), py::arg("reason") = std::string(),
+  m.def("set_recompute_info", [](uint64_t entry_id, bool recomputable, double replay_seconds,
+                                 const std::vector<uint64_t>& input_ids, std::string reason,
+                                 const std::vector<at::Tensor>& held) {
+    HeldInputs probes;
+    probes.reserve(held.size());
+    for (const at::Tensor& tensor : held) {
+      if (auto probe = held_storage(tensor)) probes.push_back(std::move(probe));
+    }
+    set_entry_recompute_info(entry_id, recomputable, replay_seconds, input_ids, std::move(reason), std::move(probes));
+  }, py::arg("entry_id"), py::arg("recomputable"), py::arg("replay_seconds"), py::arg("input_ids"),
+        py::arg("reason") = std::string(), py::arg("held") = std::vector<at::Tensor>(),
         "Declare whether and at what cost an entry's storage can be replayed, and which entries it reads; "
-        "when it cannot, why (shown in out-of-memory messages: Note [Why not recomputable])");
+        "when it cannot, why (shown in out-of-memory messages: Note [Why not recomputable]); `held`: the "
+        "tensors it reads that no entry manages, whose storage may be freed under it (Note [Held inputs freed "
+        "under us])");
   m.def("plan_drop", [](uint64_t entry_id) {
     Runtime* runtime = Runtime::get();
     std::shared_ptr<StorageResidency> residency = find_residency(entry_id);

@@ -91,11 +91,17 @@ std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage);
 bool any_entry_saved_for_backward();
 // Ids of the live managed entries.
 std::vector<uint64_t> live_entry_ids();
+// A storage a replay reads that no entry manages, held weakly: present while
+// it lives and has bytes (Note [Held inputs freed under us] in
+// core/residency_entry.h). Null for a tensor without elements or storage.
+std::shared_ptr<const HeldInput> held_storage(const at::Tensor& tensor);
 // Declares whether and at what cost an entry can be replayed, and which
 // entries its replay reads (ResidencyManager::set_recompute_info by id).
-// `reason`: why it cannot be replayed (Note [Why not recomputable]).
+// `reason`: why it cannot be replayed (Note [Why not recomputable]); `held`:
+// the storages it reads that no entry manages.
 void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
-                              const std::vector<uint64_t>& input_ids, std::string reason = {});
+                              const std::vector<uint64_t>& input_ids, std::string reason = {},
+                              HeldInputs held = {});
 // Live SavedActivation storages (for leak checks in tests).
 size_t live_storage_residencies();
 void bind_saved_activation(pybind11::module_& m);

@@ -834,12 +834,16 @@ class Lineage:
         # A function-level import costs microseconds per call (the package
         # relative import runs importlib's Python code): bound once.
         closure = _replay_closure or _bind_replay_closure()
-        ok, seconds, deps, _, why = closure(lineage, len(lineage.mutations), top=True)
+        ok, seconds, deps, _, why, held = closure(lineage, len(lineage.mutations), top=True)
         entry_id = handle.entry_id
         lineage.entry_id = entry_id
         self.by_entry[entry_id] = lineage
+        # Held inputs whose storage may be freed under the entry (Note [Held
+        # inputs freed under us] in csrc/core/residency_entry.h); those held
+        # through their entry are managed.
+        held_tensors = [source.tensor for source in held if source.tensor is not None] if ok else ()
         self.native.set_recompute_info(entry_id, ok, seconds, sorted(deps) if len(deps) > 1 else list(deps),
-                                       why)
+                                       why, held_tensors)
         if ok and self.plan is not None:
             producer = lineage.producer
             if self.plan.drops(producer.index, producer.name, lineage.index):

@@ -32,8 +32,10 @@ __all__ = ["RecomputeError", "closure", "rebuild_entry", "rebuild_entry_on_strea
 # would approach Python's recursion limit); such storages are swap-only.
 MAX_REPLAY_DEPTH = 200
 
-# (replayable, seconds, managed input ids, external storage keys, why not).
-Closure = Tuple[bool, float, Set[int], FrozenSet[int], str]
+# (replayable, seconds, managed input ids, external storage keys, why not,
+# held inputs its own replay reads: Note [Held inputs freed under us] in
+# csrc/core/residency_entry.h).
+Closure = Tuple[bool, float, Set[int], FrozenSet[int], str, FrozenSet[ExternalLineage]]
 
 
 # Note [Held inputs freed under us]: FSDP2 (fully_shard) frees each block's
@@ -41,7 +43,10 @@ Closure = Tuple[bool, float, Set[int], FrozenSet[int], str]
 # and gathers them into the same storage again for its backward. No version
 # counter moves, so neither recorder sees it, and a replay that read such a
 # parameter before it was gathered again failed deep in an op with torch's
-# "data is not allocated yet". The replay now refuses with what to do.
+# "data is not allocated yet". The manager now drops no entry whose replay
+# would read such a storage while it is freed (Note [Held inputs freed under
+# us] in csrc/core/residency_entry.h); a replay that meets one all the same
+# (dropped while gathered, replayed where it is not) refuses with what to do.
 _FREED_INPUT = ("membudget: an input of a dropped activation had its storage freed after forward (FSDP2 frees each "
                 "block's gathered parameters so); it cannot be recomputed: train with MEMBUDGET_ACTIONS=swap")
 
@@ -67,23 +72,24 @@ def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int
         result = _replay_closure(lineage, version, depth)
         lineage.memo[version] = result
     if managed_input:
-        return result[0], 0.0, {lineage.entry_id}, result[3], result[4]
+        return result[0], 0.0, {lineage.entry_id}, result[3], result[4], frozenset()
     return result
 
 
 def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closure:
     if depth > MAX_REPLAY_DEPTH:
         return (False, 0.0, set(), frozenset(),
-                f"its replay would run more than {MAX_REPLAY_DEPTH} ops deep at {lineage.producer.name}")
+                f"its replay would run more than {MAX_REPLAY_DEPTH} ops deep at {lineage.producer.name}", frozenset())
     ok = True
     seconds = 0.0
     deps: Set[int] = set()
     externals: Set[int] = set()
+    held: Set[ExternalLineage] = set()
     why = ""  # the first obstacle met, as the C++ recorder reports it
     if version == 0 and _func_info(lineage.producer.func).undefined_contents:
         # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
         return (False, 0.0, set(), frozenset(), "made by an op whose contents nobody recorded (an empty tensor "
-                f"filled where nothing records) at {lineage.producer.name}")
+                f"filled where nothing records) at {lineage.producer.name}", frozenset())
     nodes = [lineage.producer] + lineage.mutations[:version]
     for node in nodes:
         if not node.replayable:
@@ -102,6 +108,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
                 if ref.scratch:
                     continue
                 externals.add(source.key)
+                held.add(source)
                 if source.version() != ref.tensor_version:
                     ok = False
                     why = why or f"an input its replay reads was changed in place after it was read at {node.name}"
@@ -110,14 +117,16 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
                 ok = False  # read after a write lineage did not see
                 why = why or f"an input its replay reads was written where nothing records at {node.name}"
                 continue
-            sub_ok, sub_seconds, sub_deps, sub_externals, sub_why = closure(source, ref.version, depth=depth + 1)
+            sub_ok, sub_seconds, sub_deps, sub_externals, sub_why, sub_held = closure(source, ref.version,
+                                                                                      depth=depth + 1)
             if not sub_ok:
                 ok = False
                 why = why or sub_why
             seconds += sub_seconds
             deps |= sub_deps
             externals |= sub_externals
-    return ok, seconds, deps, frozenset(externals), why
+            held |= sub_held
+    return ok, seconds, deps, frozenset(externals), why, frozenset(held)
 
 
 def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
