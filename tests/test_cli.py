@@ -1,6 +1,7 @@
 """Behaviour of the ``membudget`` command line: usage errors exit 2 with a clear
 message, and ``run`` passes argv, sys.path[0] and the exit code through like
 ``python`` does, with install() called before the script's first line."""
+import gc
 import json
 import os
 import re
@@ -153,6 +154,42 @@ def test_run_with_stub_install_passes_argv_path_and_exit_code(script, stub_insta
     assert f'"path0": "{script.parent}"' in out
     assert '"name": "__main__"' in out
     assert '"installed": "yes"' in out  # install() ran before the script's first line
+
+
+GLOBALS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import membudget._runtime as runtime
+
+
+    class Watched:
+        def __del__(self):
+            runtime.test_events.append("globals gone")
+
+
+    watched = Watched()
+    {ending}
+    """
+)
+
+
+@pytest.mark.parametrize("ending", ["sys.exit(3)", "pass"])
+def test_run_lets_collective_threads_finish_before_the_scripts_globals_go(tmp_path, stub_install, monkeypatch,
+                                                                          ending):
+    # Note [Process groups torn down with the GIL held] (membudget/_runtime.py):
+    # the pause must come while the script's objects (a process group) live,
+    # also when the script ends with sys.exit(), whose exception holds them.
+    import membudget._runtime as runtime
+
+    events = []
+    monkeypatch.setattr(runtime, "test_events", events, raising=False)
+    monkeypatch.setattr(runtime, "let_collective_threads_finish", lambda: events.append("pause"))
+    path = tmp_path / "watched_script.py"
+    path.write_text(GLOBALS_SCRIPT.format(ending=ending))
+    code = cli.main(["run", str(path)])
+    gc.collect()  # the script's module dict is in a cycle with its class's methods
+    assert code == (3 if ending.startswith("sys.exit") else 0)
+    assert events == ["pause", "globals gone"]
 
 
 def test_run_module_with_stub_install(script, stub_install, capsys, monkeypatch):

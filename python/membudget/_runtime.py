@@ -325,10 +325,11 @@ def let_collective_threads_finish() -> None:
     CPU, 3 of 22 two-rank runs had a worker hang at exit this way. Before the
     script's globals go, this thread lets go of the GIL for a moment so such
     workers can finish: 0 of 20 hung after (``bench/RESULTS.md``, session
-    32). ``install()`` also runs this at exit, before ``__main__``'s globals
-    go, for scripts that install in code. A script that raises or calls
-    ``sys.exit()`` under ``membudget run`` tears its globals down before
-    either point, unprotected."""
+    32). ``membudget run`` also does so when the script calls
+    ``sys.exit()``, whose exception holds the globals until it is handled.
+    ``install()`` runs this at exit too, before ``__main__``'s globals go,
+    for scripts that install in code; a script that raises keeps its globals
+    through the exception Python reports until after that."""
     if "torch.distributed" in sys.modules:
         import time
 

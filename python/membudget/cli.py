@@ -220,6 +220,8 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
         sys.path[0] = os.getcwd()  # as `python -m`: the module is found from here
         if not _module_exists(module):
             run_parser.error(f"cannot run -m {module}: no module named {module!r}")
+    from membudget._runtime import let_collective_threads_finish
+
     try:
         if module is not None:
             sys.argv = [module, *script_args]  # run_module replaces argv[0] with the file
@@ -229,9 +231,9 @@ def _run_command(tokens: Sequence[str], run_parser: argparse.ArgumentParser) -> 
             sys.path[0] = os.path.dirname(os.path.abspath(script))
             script_globals = runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_request:
+        # The script's globals go with the exception, as this returns.
+        let_collective_threads_finish()
         return exit_request.code
-    from membudget._runtime import let_collective_threads_finish
-
     let_collective_threads_finish()
     del script_globals  # the script's objects (a DDP model, its process group) go here
     return 0
