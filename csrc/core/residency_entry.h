@@ -58,6 +58,21 @@ namespace membudget {
 // and swaps instead. Entries of the block that is running, whose parameters
 // are gathered, are dropped as usual, and replayed in its backward, where
 // they are gathered again.
+//
+// Note [Writes that refill a freed input]: an entry dropped while its held
+// inputs were there (its block running) stays dropped when FSDP2 frees them
+// after the block; its backward gathers them again by resizing the storage
+// and writing the same values into it. A write to a held input makes the
+// recorders rebuild what reads it first (Note [Rescue before the write] in
+// python/membudget/lineage.py), which would then read the storage before the
+// write fills it. So the manager watches a dropped entry's probes at each
+// pack and unpack; once one finds its storage freed, a write to it leaves
+// the entry dropped, and its replay reads the storage as filled again
+// (autograd reads a saved parameter so too). Learning from the last
+// iteration whether a freed input is back for an entry's unpack, and
+// dropping it then, was tried: an FSDP-like run that ran out of memory at
+// 60% of its peak recompute-only still did, in its first step, where there
+// is nothing to learn from (bench/RESULTS.md, session 33).
 class HeldInput {
  public:
   virtual ~HeldInput() = default;
@@ -107,6 +122,9 @@ class ResidencyEntry {
   // Note [Recompute ahead]
   bool ahead_queued_ = false;      // queued for a replay ahead of use, not begun
   bool recomputed_ahead_ = false;  // rebuilt ahead of use, not unpacked since
+  // Dropped, and a held input's storage was seen freed since (Note [Writes
+  // that refill a freed input]).
+  bool held_lost_ = false;
   int pins_ = 0;              // >0 while the manager itself is working on it
   void* host_copy_ = nullptr; // host tier block, bytes() long
   bool host_valid_ = false;   // host copy complete (Note [Host copies])

@@ -170,6 +170,12 @@ class ResidencyManager final : public Evictor {
   void set_recompute_info(ResidencyEntry* entry, bool recomputable, double replay_seconds,
                           const std::vector<uint64_t>& input_ids, std::string reason = {},
                           HeldInputs held = {});
+  // Whether a write about to change a held input the entry's replay reads
+  // should leave the entry as it is rather than rebuild it first: it, or a
+  // dropped ancestor its rebuild would replay, is dropped and had a held
+  // input's storage freed since (Note [Writes that refill a freed input] in
+  // residency_entry.h).
+  bool reads_refilled_input(ResidencyEntry* entry);
   // A static plan wants this entry dropped (not stashed): it is dropped as
   // soon as nothing else references it. Returns false when it cannot be
   // (not recomputable, or recomputation not allowed by the actions).
@@ -340,6 +346,9 @@ class ResidencyManager final : public Evictor {
   // would rebuild (Note [Held inputs freed under us] in residency_entry.h).
   bool replayable_now(const ResidencyEntry* entry) const;
   bool replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
+  static bool held_inputs_present(const ResidencyEntry* entry);
+  // Note [Writes that refill a freed input] (residency_entry.h).
+  void watch_held_inputs();
   // Its replay's cost with dropped ancestors' replays and host inputs'
   // copy-ins, each replay with the learned overhead (Note [Replay
   // overhead]); `replays`, when given, counts the replays it comprises.
@@ -431,6 +440,9 @@ class ResidencyManager final : public Evictor {
   size_t evicted_last_iteration_ = 0;             // the same, over the previous iteration
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
   std::vector<ResidencyEntry*> by_seq_;           // this iteration's entries by pack seq
+  // Dropped entries whose probes are watched (Note [Writes that refill a
+  // freed input] in residency_entry.h), by id.
+  std::vector<uint64_t> watched_drops_;
   UnpackOrder order_;
   uint64_t clock_ = 0;
   uint64_t iteration_ = 0;

@@ -56,10 +56,7 @@ bool ResidencyManager::replayable_now(const ResidencyEntry* entry) const {
 }
 
 bool ResidencyManager::replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const {
-  if (!entry->recomputable_) return false;
-  for (const auto& held : entry->held_inputs_) {
-    if (!held->present()) return false;
-  }
+  if (!entry->recomputable_ || !held_inputs_present(entry)) return false;
   visited.push_back(entry->id());
   for (uint64_t id : entry->inputs_) {
     if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
@@ -68,6 +65,48 @@ bool ResidencyManager::replayable_now(const ResidencyEntry* entry, std::vector<u
     if (input != nullptr && input->state_ == Residency::dropped && !replayable_now(input, visited)) return false;
   }
   return true;
+}
+
+bool ResidencyManager::held_inputs_present(const ResidencyEntry* entry) {
+  for (const auto& held : entry->held_inputs_) {
+    if (!held->present()) return false;
+  }
+  return true;
+}
+
+void ResidencyManager::watch_held_inputs() {
+  for (size_t i = 0; i < watched_drops_.size();) {
+    ResidencyEntry* entry = find(watched_drops_[i]);
+    const bool still_dropped = entry != nullptr && entry->state_ == Residency::dropped;
+    if (still_dropped && held_inputs_present(entry)) {
+      ++i;
+      continue;
+    }
+    if (still_dropped) entry->held_lost_ = true;
+    watched_drops_[i] = watched_drops_.back();
+    watched_drops_.pop_back();
+  }
+}
+
+bool ResidencyManager::reads_refilled_input(ResidencyEntry* entry) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (!entry->registered_) return false;
+  watch_held_inputs();
+  // The entry, or a dropped ancestor its rebuild would replay.
+  std::vector<const ResidencyEntry*> pending{entry};
+  std::vector<uint64_t> visited;
+  while (!pending.empty()) {
+    const ResidencyEntry* at = pending.back();
+    pending.pop_back();
+    if (at->state_ == Residency::dropped && at->held_lost_) return true;
+    for (uint64_t id : at->inputs_) {
+      if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
+      visited.push_back(id);
+      const ResidencyEntry* input = find(id);
+      if (input != nullptr && input->state_ == Residency::dropped) pending.push_back(input);
+    }
+  }
+  return false;
 }
 
 bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
@@ -184,6 +223,10 @@ size_t ResidencyManager::drop_for_recompute(ResidencyEntry* entry) {
   finish_copy_out_in_flight(entry);
   entry->drop_device_copy();
   entry->state_ = Residency::dropped;
+  // Note [Writes that refill a freed input] (residency_entry.h): dropped
+  // only with its held inputs there (replayable_now).
+  entry->held_lost_ = false;
+  if (!entry->held_inputs_.empty()) watched_drops_.push_back(entry->id());
   clear_prefetch(entry);
   note_evicted_before_use(entry);
   if (entry->host_copy_ != nullptr && !entry->host_valid_) {

@@ -523,6 +523,9 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
       }
     }
   }
+  // Note [Writes that refill a freed input] (core/residency_entry.h): a
+  // rebuild now would read a freed input's storage before the write fills it.
+  rescued.erase(std::remove_if(rescued.begin(), rescued.end(), entry_reads_refilled_input), rescued.end());
   make_swap_only(rescued, "an input its replay reads was about to be written in place (rescued: made resident)");
 }
 

@@ -588,6 +588,12 @@ void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double repla
                                         std::move(held));
 }
 
+bool entry_reads_refilled_input(uint64_t entry_id) {
+  Runtime* runtime = Runtime::get();
+  std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
+  return runtime != nullptr && residency != nullptr && runtime->manager().reads_refilled_input(residency.get());
+}
+
 size_t live_storage_residencies() {
   Runtime* runtime = Runtime::get();
   return runtime != nullptr ? runtime->manager().stats().live_entries : 0;
@@ -650,6 +656,10 @@ void bind_saved_activation(py::module_& m) {
         "when it cannot, why (shown in out-of-memory messages: Note [Why not recomputable]); `held`: the "
         "tensors it reads that no entry manages, whose storage may be freed under it (Note [Held inputs freed "
         "under us])");
+  m.def("entry_reads_refilled_input", &entry_reads_refilled_input, py::arg("entry_id"),
+        "Whether a write to a held input should leave this entry as it is rather than rebuild it first: it, or "
+        "a dropped ancestor, is dropped and had a held input's storage freed since (Note [Held inputs back for "
+        "their use])");
   m.def("plan_drop", [](uint64_t entry_id) {
     Runtime* runtime = Runtime::get();
     std::shared_ptr<StorageResidency> residency = find_residency(entry_id);

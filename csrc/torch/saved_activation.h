@@ -102,6 +102,9 @@ std::shared_ptr<const HeldInput> held_storage(const at::Tensor& tensor);
 void set_entry_recompute_info(uint64_t entry_id, bool recomputable, double replay_seconds,
                               const std::vector<uint64_t>& input_ids, std::string reason = {},
                               HeldInputs held = {});
+// Whether a write to a held input should leave this entry as it is rather
+// than rebuild it first (ResidencyManager::reads_refilled_input).
+bool entry_reads_refilled_input(uint64_t entry_id);
 // Live SavedActivation storages (for leak checks in tests).
 size_t live_storage_residencies();
 void bind_saved_activation(pybind11::module_& m);

@@ -136,7 +136,10 @@ def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
     key = storage_address(target)
     for entry_id, storage_lineage in list(lineage.by_entry.items()):
         memo = storage_lineage.memo.get(len(storage_lineage.mutations))
-        if memo is not None and memo[0] and key in memo[3]:
+        # Not one whose rebuild now would read a freed input's storage before
+        # the write fills it (Note [Writes that refill a freed input] in
+        # csrc/core/residency_entry.h).
+        if memo is not None and memo[0] and key in memo[3] and not lineage.native.entry_reads_refilled_input(entry_id):
             lineage.rescued(entry_id)
 
 
