@@ -579,7 +579,7 @@ void redeclare_entries(RecorderState& s) {
     std::shared_ptr<const Closure> result =
         closure(s, lineage, static_cast<int64_t>(lineage->mutations.size()), true, 0);
     set_entry_recompute_info(entry_id, result->ok, result->seconds, result->deps, reason_of(*result),
-                           held_probes(*result));
+                             held_probes(*result));
   }
 }
 

@@ -658,8 +658,8 @@ void bind_saved_activation(py::module_& m) {
         "under us])");
   m.def("entry_reads_refilled_input", &entry_reads_refilled_input, py::arg("entry_id"),
         "Whether a write to a held input should leave this entry as it is rather than rebuild it first: it, or "
-        "a dropped ancestor, is dropped and had a held input's storage freed since (Note [Held inputs back for "
-        "their use])");
+        "a dropped ancestor, is dropped and had a held input's storage freed since (Note [Writes that refill a "
+        "freed input])");
   m.def("plan_drop", [](uint64_t entry_id) {
     Runtime* runtime = Runtime::get();
     std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
