@@ -48,9 +48,7 @@ void ResidencyManager::queue_replays_ahead(int64_t now, size_t window) {
 
 bool ResidencyManager::may_recompute_ahead(const ResidencyEntry* entry) const {
   if (!config_.recompute_ahead || !allowed_.recompute || !entry->recomputable_) return false;
-  for (const auto& held : entry->held_inputs_) {
-    if (!held->present()) return false;  // Note [Held inputs freed under us]
-  }
+  if (!held_inputs_present(entry)) return false;  // Note [Held inputs freed under us]
   // Only a replay that reads resident inputs: rebuilding dropped ancestors or
   // swapping inputs in ahead would chain work (and memory) the window did not
   // count, and an input rebuilt on the way would count as an unpack.

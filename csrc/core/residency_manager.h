@@ -345,7 +345,9 @@ class ResidencyManager final : public Evictor {
   // every held input present, and so for each dropped ancestor the replay
   // would rebuild (Note [Held inputs freed under us] in residency_entry.h).
   bool replayable_now(const ResidencyEntry* entry) const;
-  bool replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const;
+  // Whether `test` holds for the entry or for a dropped ancestor its rebuild
+  // would replay (each visited once).
+  bool any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*)) const;
   static bool held_inputs_present(const ResidencyEntry* entry);
   // Note [Writes that refill a freed input] (residency_entry.h).
   void watch_held_inputs();

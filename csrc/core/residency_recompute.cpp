@@ -50,21 +50,28 @@ void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputab
   }
 }
 
-bool ResidencyManager::replayable_now(const ResidencyEntry* entry) const {
-  std::vector<uint64_t> visited;
-  return replayable_now(entry, visited);
+bool ResidencyManager::any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*)) const {
+  std::vector<const ResidencyEntry*> pending{entry};
+  std::vector<uint64_t> visited{entry->id()};
+  while (!pending.empty()) {
+    const ResidencyEntry* at = pending.back();
+    pending.pop_back();
+    if (test(at)) return true;
+    for (uint64_t id : at->inputs_) {
+      if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
+      visited.push_back(id);
+      const ResidencyEntry* input = find(id);
+      if (input != nullptr && input->state_ == Residency::dropped) pending.push_back(input);
+    }
+  }
+  return false;
 }
 
-bool ResidencyManager::replayable_now(const ResidencyEntry* entry, std::vector<uint64_t>& visited) const {
-  if (!entry->recomputable_ || !held_inputs_present(entry)) return false;
-  visited.push_back(entry->id());
-  for (uint64_t id : entry->inputs_) {
-    if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
-    const ResidencyEntry* input = find(id);
-    // A dropped input is rebuilt by this replay: its own held inputs are read too.
-    if (input != nullptr && input->state_ == Residency::dropped && !replayable_now(input, visited)) return false;
-  }
-  return true;
+bool ResidencyManager::replayable_now(const ResidencyEntry* entry) const {
+  // A dropped input is rebuilt by this replay: its own held inputs are read too.
+  return !any_in_rebuild(entry, [](const ResidencyEntry* at) {
+    return !at->recomputable_ || !held_inputs_present(at);
+  });
 }
 
 bool ResidencyManager::held_inputs_present(const ResidencyEntry* entry) {
@@ -92,21 +99,9 @@ bool ResidencyManager::reads_refilled_input(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!entry->registered_) return false;
   watch_held_inputs();
-  // The entry, or a dropped ancestor its rebuild would replay.
-  std::vector<const ResidencyEntry*> pending{entry};
-  std::vector<uint64_t> visited;
-  while (!pending.empty()) {
-    const ResidencyEntry* at = pending.back();
-    pending.pop_back();
-    if (at->state_ == Residency::dropped && at->held_lost_) return true;
-    for (uint64_t id : at->inputs_) {
-      if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
-      visited.push_back(id);
-      const ResidencyEntry* input = find(id);
-      if (input != nullptr && input->state_ == Residency::dropped) pending.push_back(input);
-    }
-  }
-  return false;
+  return any_in_rebuild(entry, [](const ResidencyEntry* at) {
+    return at->state_ == Residency::dropped && at->held_lost_;
+  });
 }
 
 bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
