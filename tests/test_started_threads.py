@@ -6,6 +6,7 @@ started before it are told they are not.
 """
 import gc
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -450,3 +451,42 @@ def test_the_interpreter_exits_cleanly_with_threads_started_after_install():
         script = f"LINEAGE = {lineage!r}\n" + _EXIT_WITH_THREADS
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "ran" in done.stdout, (lineage, done.returncode, done.stderr[-2000:])
+
+
+class _AppendingRef:
+    """Stands in for a weak reference in ``lineage._made`` whose call (as
+    pruning or severing reads it) appends a reference to ``made``, as another
+    thread recording lineage at that moment would."""
+
+    def __init__(self, made: list, appended):
+        self.made, self.appended, self.called = made, appended, False
+
+    def __call__(self):
+        if not self.called:
+            self.called = True
+            self.made.append(self.appended)
+        return None  # dead: pruning drops this one
+
+
+@pytest.mark.parametrize("operation", ["prune", "sever"])
+def test_a_lineage_made_on_another_thread_while_the_list_is_pruned_is_kept(operation, monkeypatch):
+    """Note [Lineages made on several threads]: a lineage a thread records
+    while another prunes (each forward's start) or severs (each release) the
+    list of lineages made must stay listed, or the next release would not
+    sever it and a kept loss would keep its forward's graph alive."""
+    from membudget import lineage as lineage_module
+
+    class Made:
+        pass
+
+    made = []
+    monkeypatch.setattr(lineage_module, "_made", made)
+    survivor = Made()
+    appended = weakref.ref(survivor)
+    made.append(_AppendingRef(made, appended))
+    if operation == "prune":
+        lineage_module._prune_made()
+    else:
+        lineage_module._sever_released_lineages()
+    assert lineage_module._made is made, "the list must be changed in place, not rebound"
+    assert appended in made, "an append made while the list was read was lost"

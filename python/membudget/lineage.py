@@ -146,7 +146,17 @@ _generation = 0
 # Weak references to the lineages made since the last release, which severs
 # them (Note [Released lineage severed]); pruned of dead ones as each forward
 # begins.
+#
+# Note [Lineages made on several threads]: the list is only ever changed in
+# place. Threads that record lineage (Note [Threads started after install()]
+# in _runtime.py) append to it lock-free (one list operation, atomic) while
+# another thread prunes or severs it; rebinding the name to a pruned copy would drop an
+# append made while the copy was built, and the lineage it named would never
+# be severed: its forward's whole graph kept alive by a kept loss. Pruning
+# and severing take `_made_lock` between themselves and replace only the
+# prefix they read, in one slice assignment, so appends behind it stay.
 _made: List["weakref.ref[StorageLineage]"] = []
+_made_lock = threading.Lock()
 
 
 class StorageLineage:
@@ -184,20 +194,24 @@ def _sever_released_lineages() -> None:
     lineages a step for an 8-layer MLP, 5 KiB of CPU generator state a step
     on the CPU, never freed. Once released, nothing of an older generation
     is replayed (it reads as a held input), so its links are cut."""
-    global _made
-    for ref in _made:
+    with _made_lock:
+        severed = _made[:]
+        del _made[:len(severed)]  # Note [Lineages made on several threads]
+    for ref in severed:
         lineage = ref()
         if lineage is not None:
             lineage.producer = None
             lineage.mutations = []
             lineage.memo = {}
-    _made = []
 
 
 def _prune_made() -> None:
-    """Drops the references to lineages that died (each forward's start)."""
-    global _made
-    _made = [ref for ref in _made if ref() is not None]
+    """Drops the references to lineages that died (each forward's start),
+    keeping any another thread appends meanwhile (Note [Lineages made on
+    several threads])."""
+    with _made_lock:
+        read = len(_made)
+        _made[:read] = [ref for ref in _made[:read] if ref() is not None]
 
 
 def _version_of(tensor: torch.Tensor) -> int:
