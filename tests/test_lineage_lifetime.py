@@ -180,6 +180,50 @@ def test_a_step_that_raised_leaves_nothing_allocated_after_uninstall():
 
 
 
+
+class _BackwardFailed(Exception):
+    pass
+
+
+def _raise_in_backward(grad):
+    raise _BackwardFailed("as an out-of-memory error in backward would")
+
+
+def test_uninstall_inside_the_except_of_a_failed_backward_lets_go_once_the_graph_goes():
+    """Note [Lineage let go once nothing is saved]: uninstall() in the
+    `except` of a step whose backward raised runs while the exception's frames
+    still hold the loss, its graph and the handles it saved, which may yet ask
+    for a replay; what the recorders held for them (the model's parameters,
+    the dropout RNG states) stayed allocated after the model was deleted,
+    until the next install(). It goes once the graph does."""
+    torch.manual_seed(0)
+    membudget.install(budget="256MiB", actions="recompute", min_tensor_bytes=0)
+    earlier = _left_by_earlier_tests()
+    model = nn.Sequential(nn.Linear(512, 512), nn.Dropout(0.1), nn.Tanh(), nn.Linear(512, 512))
+
+    def step():
+        hidden = model[:3](torch.randn(64, 512))
+        hidden.register_hook(_raise_in_backward)  # after the last layer's backward
+        loss = model[3](hidden).square().mean()
+        loss.backward()
+
+    try:
+        step()
+    except _BackwardFailed:
+        assert load_extension().any_entry_saved_for_backward(), "the graph must still be alive here"
+        membudget.uninstall()
+    del model
+    # The first collection frees the exception's frames (in a cycle with
+    # them), and their graph's last handle queues the release; the release
+    # runs at the loop's next turn and leaves the Python recorder's lineage
+    # to the second.
+    for _ in range(2):
+        gc.collect()
+    assert not load_extension().any_entry_saved_for_backward()
+    # Memory membudget handed out is still accounted after uninstall().
+    assert load_extension().memory_stats()["allocated_bytes.all.current"] == earlier
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-batch-a-step", "accumulated"])
 def test_ops_between_backward_and_the_step_do_not_keep_the_model(lineage_recorder, micro_batches):
     """An op recorded between backward() and the step (the loop's

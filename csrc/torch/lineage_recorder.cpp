@@ -982,6 +982,16 @@ void stop_recording() {
 
 }  // namespace
 
+void release_stopped_recorder() {
+  // Note [Lineage let go once nothing is saved] (saved_activation.cpp).
+  if (g_active.load()) return;  // installed again: its own release applies
+  RecorderState& s = state();
+  std::vector<std::shared_ptr<void>> released;  // dropped after the lock
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  forget_unneeded(s, released);
+  ++s.epoch;
+}
+
 void bind_lineage(pybind11::module_& m) {
   pybind11::module_ sub = m.def_submodule("lineage", "The C++ lineage recorder (Note [C++ lineage recorder])");
   sub.def("start", &start_recording,

@@ -179,6 +179,9 @@ void note_out_of_memory();
 // Whether one was raised since the last call (each recorder asks before an op).
 bool take_out_of_memory();
 
+// A stopped recorder forgets all it kept for the entries live at stop() (their
+// held inputs, RNG states, nodes); nothing when recording. GIL held.
+void release_stopped_recorder();
 void bind_lineage(pybind11::module_& m);
 // lineage_replay.cpp's part of the bindings (on_pack, rebuild).
 void bind_lineage_replay(pybind11::module_& m);

@@ -7,6 +7,7 @@
 
 #include "core/copy_timeline.h"
 #include "core/residency_manager.h"
+#include "torch/lineage_recorder.h"
 #include "torch/runtime.h"
 
 namespace py = pybind11;
@@ -409,6 +410,33 @@ void check_unmodified(const c10::VariableVersion& counter, uint32_t saved, at::S
 // no lock and releases no entry.
 static std::atomic<int64_t> g_saved_for_backward{0};
 
+// Note [Lineage let go once nothing is saved]: uninstall() drops the replay
+// callback (and with it the Python recorder's lineage) and the stopped C++
+// recorder forgets what it recorded -- unless a handle saved for backward is
+// still alive, which may yet ask for a replay. That is the case when
+// uninstall() runs inside the `except` block of a step that ran out of
+// memory in backward: the exception's frames hold the loss and its graph.
+// The recorders then held the failed step's held inputs and RNG states (the
+// biases and dropout states of tests/test_freed_inputs.py's model, 45 KiB;
+// on a GPU, every parameter a replay reads) after the model was deleted,
+// until the next install(). Now uninstall() asks for the release to happen
+// once the last such handle goes: its destructor (on any thread, GIL or
+// not) queues a pending call, which runs on the main thread with the GIL.
+static std::atomic<bool> g_release_once_unsaved{false};
+
+// With the GIL: the release, if it is still asked for and nothing is saved.
+static void release_lineage_if_unsaved() {
+  if (!g_release_once_unsaved.load() || g_saved_for_backward.load() > 0) return;
+  g_release_once_unsaved.store(false);
+  if (g_recompute_fn != nullptr) *g_recompute_fn = py::none();
+  lineage::release_stopped_recorder();
+}
+
+static int release_lineage_pending(void* /*unused*/) {
+  release_lineage_if_unsaved();
+  return 0;
+}
+
 SavedActivation::SavedActivation(std::shared_ptr<StorageResidency> residency, const at::Tensor& view,
                                  bool saved_for_backward)
     : residency_(std::move(residency)),
@@ -438,7 +466,12 @@ SavedActivation::SavedActivation(const SavedActivation& other)
 }
 
 SavedActivation::~SavedActivation() {
-  if (saved_for_backward_) g_saved_for_backward.fetch_sub(1);
+  if (saved_for_backward_ && g_saved_for_backward.fetch_sub(1) == 1 && g_release_once_unsaved.load() &&
+      Py_IsInitialized()) {
+    // Note [Lineage let go once nothing is saved]; a full queue leaves the
+    // release to the next install().
+    (void)Py_AddPendingCall(&release_lineage_pending, nullptr);
+  }
 }
 
 int64_t SavedActivation::current_tensor_version() const { return current_version(version_counter_); }
@@ -628,9 +661,15 @@ void bind_saved_activation(py::module_& m) {
   m.def("set_recompute_callback", [](py::object fn) {
     if (g_recompute_fn == nullptr) g_recompute_fn = new py::object();
     *g_recompute_fn = std::move(fn);
+    g_release_once_unsaved.store(false);  // a fresh install's callback stays
   }, py::arg("fn"),
         "fn(entry_id, ahead) -> tensor whose storage is the replayed entry (for a replay ahead on a CUDA "
         "side stream: (tensor, stream handle)); None removes it");
+  m.def("release_lineage_once_unsaved", [] {
+    g_release_once_unsaved.store(true);
+    release_lineage_if_unsaved();  // at once when nothing is saved now
+  }, "uninstall(): drop the replay callback and what the stopped C++ recorder kept, now or once the last "
+     "handle saved for backward goes (Note [Lineage let go once nothing is saved])");
   m.def("set_cpu_recompute_ahead_timing", [](const std::string& timing) {
     if (timing == "immediate") {
       g_cpu_ahead_timing = AheadTiming::immediate;

@@ -728,14 +728,16 @@ def uninstall() -> None:
             _pop_hooks()
             _hooks_thread = None
             _leave_threads_started_from_now()
-            if not native.any_entry_saved_for_backward():
-                # Only an entry autograd holds can still need a replay (Note
-                # [Entries only lineage holds] in saved_activation.cpp). Kept, the callback
-                # held the Python recorder's lineage, and through it the model
-                # of a step that raised (out of memory) before its optimizer
-                # step let go of it: 2 MiB stayed allocated after uninstall(),
-                # and the next run in the process started with them.
-                native.set_recompute_callback(None)
+            # Only an entry autograd holds can still need a replay (Note
+            # [Entries only lineage holds] in saved_activation.cpp). Kept, the callback
+            # held the Python recorder's lineage, and through it the model
+            # of a step that raised (out of memory) before its optimizer
+            # step let go of it: 2 MiB stayed allocated after uninstall(),
+            # and the next run in the process started with them. With such
+            # an entry alive (uninstall() inside the step's `except`), the
+            # release waits for it (Note [Lineage let go once nothing is
+            # saved] in saved_activation.cpp).
+            native.release_lineage_once_unsaved()
         _checkpoint_regions.keep_regions()
         _compiled_under_budget.leave_compiles()
         _func_transforms.restore()
