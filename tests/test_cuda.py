@@ -70,9 +70,15 @@ def test_cuda_build_info_does_not_initialise_cuda():
     assert info["installed_cuda_allocator"] is None
 
 
-def test_the_torch_cuda_hooks_compile_against_this_torch(tmp_path):
-    """csrc/torch/cuda_pluggable_hooks.cpp is built only against a CUDA torch
-    (the GPU machine's), so CPU builds and CI never compiled it. Here it is
+# The sources with code built only against a CUDA torch (MEMBUDGET_TORCH_CUDA).
+TORCH_CUDA_SOURCES = ["cuda_pluggable_hooks.cpp", "runtime.cpp", "cuda_symbols.cpp", "module.cpp"]
+
+
+@pytest.mark.parametrize("source", TORCH_CUDA_SOURCES)
+def test_the_torch_cuda_hooks_compile_against_this_torch(tmp_path, source):
+    """csrc/torch/cuda_pluggable_hooks.cpp, and the branches of other sources
+    under MEMBUDGET_TORCH_CUDA, are built only against a CUDA torch (the GPU
+    machine's), so CPU builds and CI never compiled them. Here each is
     compiled, syntax only, against this torch's headers: a CPU wheel ships
     the CUDA allocator headers but not the one generated macro header, which
     a stand-in provides."""
@@ -92,10 +98,13 @@ def test_the_torch_cuda_hooks_compile_against_this_torch(tmp_path):
     root = Path(__file__).resolve().parents[1]
     command = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror=overloaded-virtual",
                "-DMEMBUDGET_TORCH_CUDA=1", "-DMEMBUDGET_WITH_CUDA=1", "-DUSE_CUDA=1",
+               # What CMakeLists.txt defines for the extension (module.cpp reads them).
+               "-DTORCH_EXTENSION_NAME=_C", '-DMEMBUDGET_VERSION="0"', '-DMEMBUDGET_COMPILER="c++"',
+               '-DMEMBUDGET_TORCH_VERSION="0"',
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                f"-I{tmp_path}", f"-I{sysconfig.get_paths()['include']}", f"-I{cuda_include}", f"-I{root / 'csrc'}"]
     command += [f"-isystem{path}" for path in cpp_extension.include_paths()]
-    result = subprocess.run(command + [str(root / "csrc" / "torch" / "cuda_pluggable_hooks.cpp")],
+    result = subprocess.run(command + [str(root / "csrc" / "torch" / source)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -254,6 +263,34 @@ def test_training_under_a_budget_matches_unmanaged_run():
     assert managed["peak"] <= managed["budget"]
     assert managed["swapped"] > 0
     assert managed["losses"] == pytest.approx(unmanaged["losses"], rel=1e-5)
+
+# The rest of a script runs on a side stream, after what the default stream did.
+SIDE_STREAM_FROM_HERE = """side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+torch.cuda.set_stream(side)
+"""
+
+
+@requires_cuda
+def test_training_on_a_side_stream_swaps_after_that_stream():
+    """Note [Copies ordered after the entry's stream]: the same model trained
+    inside `with torch.cuda.stream(side)`. Swap-outs must wait for the side
+    stream's kernels that made each activation, not for the legacy default
+    stream (idle here), or a copy reads an activation before its producer
+    ran; 16 layers of 32768x1024 matmuls keep the side stream well behind
+    the host. Swapping is exact: the losses are bit-identical."""
+    def run(*args):
+        code = "import sys; sys.argv[1:] = %r\n" % (list(args),) + textwrap.dedent(TRAIN_STEP)
+        made = 'x = torch.randn(32768, 1024, device="cuda")\n'
+        assert made in code
+        code = code.replace(made, made + SIDE_STREAM_FROM_HERE)
+        return last_json_line(run_python(code, timeout=300))
+
+    unmanaged = run()
+    managed = run("1536MiB")
+    assert managed["peak"] <= managed["budget"] == 1536 * MiB
+    assert managed["swapped"] > 0
+    assert managed["losses"] == unmanaged["losses"]
 
 
 @requires_cuda

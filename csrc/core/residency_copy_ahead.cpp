@@ -163,7 +163,7 @@ void ResidencyManager::start_copies_ahead() {
                    (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance,
                    choice.loss_per_byte * static_cast<double>(entry->bytes()) * 1e3);
     }
-    entry->copy_event_ = copy_out(entry, nullptr);
+    entry->copy_event_ = copy_out(entry);
     entry->state_ = Residency::swapping_out;
     in_flight_.push_back(entry);
     ++counters_.background_swap_count;

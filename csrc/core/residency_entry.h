@@ -73,6 +73,18 @@ namespace membudget {
 // dropping it then, was tried: an FSDP-like run that ran out of memory at
 // 60% of its peak recompute-only still did, in its first step, where there
 // is nothing to learn from (bench/RESULTS.md, session 33).
+//
+// Note [Copies ordered after the entry's stream]: a swap-out reads the
+// entry's device memory on a copy stream, so it is ordered after the stream
+// the entry's tensor was made and read on: torch's current stream when it
+// was packed (CUDA), which the binding hands to register_entry(). The
+// stream that asks for memory is not that one: an allocation on FSDP2's
+// all-gather stream, NCCL's, or the compute stream while the model runs
+// under `torch.cuda.stream(s)`, would order a copy after work that never
+// wrote the entry, and the copy could read it before its producer's kernel
+// ran. The host then waits for the copy before the freed block goes to the
+// requesting stream, so no order is owed to that stream. On the host and
+// simulated backends every entry's stream is nullptr, as before.
 class HeldInput {
  public:
   virtual ~HeldInput() = default;
@@ -126,6 +138,7 @@ class ResidencyEntry {
   // that refill a freed input]).
   bool held_lost_ = false;
   int pins_ = 0;              // >0 while the manager itself is working on it
+  Stream stream_ = nullptr;   // made and read on (Note [Copies ordered after the entry's stream])
   void* host_copy_ = nullptr; // host tier block, bytes() long
   bool host_valid_ = false;   // host copy complete (Note [Host copies])
   EventPtr copy_event_;       // in-flight swap-out, swap-in or replay ahead

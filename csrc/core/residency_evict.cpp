@@ -141,12 +141,13 @@ bool ResidencyManager::clear_prefetch(ResidencyEntry* entry) {
   return true;
 }
 
-EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once) {
+EventPtr ResidencyManager::copy_out(ResidencyEntry* entry, bool waited_at_once) {
   counters_.swap_out_bytes += entry->bytes();
   ++counters_.swap_out_count;
+  const Stream after = entry->stream_;  // Note [Copies ordered after the entry's stream]
   return waited_at_once
-             ? backend_.copy_to_host_for_waiter(entry->host_copy_, entry->device_data(), entry->bytes(), stream)
-             : backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), stream);
+             ? backend_.copy_to_host_for_waiter(entry->host_copy_, entry->device_data(), entry->bytes(), after)
+             : backend_.copy_to_host(entry->host_copy_, entry->device_data(), entry->bytes(), after);
 }
 
 void ResidencyManager::finish_copy_out_in_flight(ResidencyEntry* entry) {
@@ -157,7 +158,7 @@ void ResidencyManager::finish_copy_out_in_flight(ResidencyEntry* entry) {
   finish_copy(entry);
 }
 
-size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream stream) {
+size_t ResidencyManager::release_device_copy(ResidencyEntry* entry) {
   finish_copy_out_in_flight(entry);
   Decision decision;
   const CopyInBacklog backlog = copy_in_backlog(/*with_planned=*/false);
@@ -170,7 +171,7 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
       // The director saw room that another entry took since: recompute if it may.
       return allowed_.recompute && replayable_now(entry) ? drop_for_recompute(entry) : 0;
     }
-    const double waited = wait_blocked(copy_out(entry, stream, /*waited_at_once=*/true));
+    const double waited = wait_blocked(copy_out(entry, /*waited_at_once=*/true));
     log_copy_wait(entry, waited, "its copy to host");
     note_copy_time(entry->bytes(), waited);
     entry->host_valid_ = true;
@@ -186,9 +187,9 @@ size_t ResidencyManager::release_device_copy(ResidencyEntry* entry, Stream strea
   return entry->bytes();
 }
 
-size_t ResidencyManager::evict(size_t bytes_needed, Stream stream) {
+size_t ResidencyManager::evict(size_t bytes_needed, Stream /*stream*/) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
-  const size_t freed = evict_for(bytes_needed, stream);
+  const size_t freed = evict_for(bytes_needed);
   note_request(bytes_needed, freed);
   return freed;
 }
@@ -288,7 +289,7 @@ bool ResidencyManager::copies_before_release(const EvictionCandidate& c) {
   return !c.host_valid && (c.swap_chosen || c.entry->state_ == Residency::swapping_out);
 }
 
-size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
+size_t ResidencyManager::evict_for(size_t bytes_needed) {
   reap_completed_copies();
   size_t freed = 0;
   std::vector<const void*> released;  // block addresses, for evictions_wasted
@@ -329,7 +330,7 @@ size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
         }
         const void* block = c.entry->device_data();
         if (device_.usable_range_at(block) < bytes_needed) continue;
-        size_t bytes = release_device_copy(c.entry, stream);
+        size_t bytes = release_device_copy(c.entry);
         if (bytes == 0) continue;
         // It fits now: nothing else needs to go.
         //
@@ -362,7 +363,7 @@ size_t ResidencyManager::evict_for(size_t bytes_needed, Stream stream) {
         }
       }
       const void* block = next->entry->device_data();
-      size_t bytes = release_device_copy(next->entry, stream);
+      size_t bytes = release_device_copy(next->entry);
       freed += bytes;
       if (bytes == 0) continue;
       released.push_back(block);
@@ -395,7 +396,7 @@ size_t ResidencyManager::evict_all() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   size_t freed = 0;
-  for (const EvictionCandidate& c : candidates(-1)) freed += release_device_copy(c.entry, nullptr);
+  for (const EvictionCandidate& c : candidates(-1)) freed += release_device_copy(c.entry);
   return freed;
 }
 

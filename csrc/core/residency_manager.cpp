@@ -120,11 +120,12 @@ void ResidencyManager::start_iteration() {
   unpacked_since_pack_ = false;
 }
 
-void ResidencyManager::register_entry(ResidencyEntry* entry) {
+void ResidencyManager::register_entry(ResidencyEntry* entry, Stream stream) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   reap_completed_copies();
   if (unpacked_since_pack_) start_iteration();  // Note [Iterations]
   entry->registered_ = true;
+  entry->stream_ = stream;
   entry->state_ = Residency::resident;
   entry->iteration_ = iteration_;
   entry->pack_seq_ = packs_this_iteration_++;
@@ -566,7 +567,7 @@ void ResidencyManager::maybe_start_background_swaps() {
                    (unsigned long long)entry->pack_seq_, (long long)c.next_use_distance, c.cost_seconds * 1e3,
                    format_bytes(excess).c_str());
     }
-    entry->copy_event_ = copy_out(entry, nullptr);
+    entry->copy_event_ = copy_out(entry);
     entry->state_ = Residency::swapping_out;
     in_flight_.push_back(entry);
     ++counters_.background_swap_count;

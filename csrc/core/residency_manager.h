@@ -140,8 +140,10 @@ class ResidencyManager final : public Evictor {
                    ManagerConfig config);
   ~ResidencyManager() override;
 
-  // Called at pack time for a new entry (the storage's first pack).
-  void register_entry(ResidencyEntry* entry);
+  // Called at pack time for a new entry (the storage's first pack), with the
+  // stream its tensor was made on (Note [Copies ordered after the entry's
+  // stream]).
+  void register_entry(ResidencyEntry* entry, Stream stream = nullptr);
   // Called when another saved view of an already registered storage is packed.
   void touch(ResidencyEntry* entry);
   // Called from the entry's destructor path: waits for its copies, frees its
@@ -213,7 +215,9 @@ class ResidencyManager final : public Evictor {
   // has nothing to do but could replay ahead instead.
   bool copy_pending(ResidencyEntry* entry);
 
-  // Evictor: releases evictable entries until `bytes_needed` are freed.
+  // Evictor: releases evictable entries until `bytes_needed` are freed. The
+  // requesting stream orders nothing: each copy follows its entry's stream,
+  // and is waited for before its block is freed.
   size_t evict(size_t bytes_needed, Stream stream) override;
   std::string describe_evictable() const override;
   // Appended to describe_evictable(), and so to every out-of-memory message:
@@ -283,11 +287,12 @@ class ResidencyManager final : public Evictor {
   // Drops the entry's prefetch mark and its share of the window; returns
   // whether it was marked.
   bool clear_prefetch(ResidencyEntry* entry);
-  // Queues the device->host copy into the entry's host slot and counts it.
-  // `waited_at_once`: the caller waits for the copy right away (Note [Waiter
-  // runs the copy]).
-  EventPtr copy_out(ResidencyEntry* entry, Stream stream, bool waited_at_once = false);
-  size_t release_device_copy(ResidencyEntry* entry, Stream stream);
+  // Queues the device->host copy into the entry's host slot, after the
+  // entry's stream (Note [Copies ordered after the entry's stream]), and
+  // counts it. `waited_at_once`: the caller waits for the copy right away
+  // (Note [Waiter runs the copy]).
+  EventPtr copy_out(ResidencyEntry* entry, bool waited_at_once = false);
+  size_t release_device_copy(ResidencyEntry* entry);
   // Waits for a copy, counting the wait in blocked_seconds_ (Note [Replay
   // overhead]); returns its seconds.
   double wait_blocked(const EventPtr& event);
@@ -297,7 +302,7 @@ class ResidencyManager final : public Evictor {
   bool swap_in(ResidencyEntry* entry, Stream stream, bool wait);
   void maybe_start_background_swaps();
   // evict() without the lock and without recording the request.
-  size_t evict_for(size_t bytes_needed, Stream stream);
+  size_t evict_for(size_t bytes_needed);
   // What the first candidates in `ordered` cost that together hold `bytes`,
   // what a request misses beyond the memory free now (Note [One victim that
   // costs more]).

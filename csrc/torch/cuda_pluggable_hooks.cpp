@@ -23,6 +23,7 @@
 // unchanged.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
@@ -177,6 +178,10 @@ class BudgetedPluggableAllocator final : public PluggableBase {
 };
 
 }  // namespace
+
+Stream current_cuda_stream(int device) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
 
 void install_cuda_pluggable_with_hooks() {
   // changeCurrentAllocator refuses too, but with "Can't swap an already

@@ -48,6 +48,9 @@ std::unique_ptr<Backend> make_cuda_backend_or_throw(int device);
 // CUDAPluggableAllocator cannot set), and makes it torch's CUDA allocator.
 // Throws c10::Error when torch's CUDA allocator was already initialised.
 void install_cuda_pluggable_with_hooks();
+// torch's current CUDA stream on `device` (c10::cuda::getCurrentCUDAStream),
+// as a cudaStream_t.
+Stream current_cuda_stream(int device);
 #endif
 
 }  // namespace membudget

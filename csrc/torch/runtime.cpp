@@ -252,6 +252,14 @@ std::string unmanaged_thread_note() {
 SpeculativeAllocations::SpeculativeAllocations() : previous_(t_speculative) { t_speculative = true; }
 SpeculativeAllocations::~SpeculativeAllocations() { t_speculative = previous_; }
 
+Stream torch_current_stream(const c10::Device& device) {
+#ifdef MEMBUDGET_TORCH_CUDA
+  if (device.is_cuda()) return current_cuda_stream(device.index());
+#endif
+  (void)device;
+  return nullptr;
+}
+
 void* allocate_device_for_torch(size_t bytes, Stream stream) {
   Runtime* runtime = Runtime::get();
   TORCH_CHECK(runtime != nullptr, "membudget: allocation through membudget before install() created the runtime");

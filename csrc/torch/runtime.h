@@ -3,6 +3,8 @@
 // until the process exits (never destroyed: tensors freed during interpreter
 // shutdown still call into the allocator).
 #pragma once
+#include <c10/core/Device.h>
+
 #include <memory>
 #include <string>
 
@@ -75,6 +77,12 @@ class Runtime {
 void* allocate_device_for_torch(size_t bytes, Stream stream);
 // Frees memory returned by allocate_device_for_torch.
 void free_device_for_torch(void* ptr);
+
+// Torch's current stream on `device`, which the manager orders its copies
+// after (Note [Copies ordered after the entry's stream] in
+// core/residency_entry.h). nullptr off CUDA, and on CUDA in a build without
+// CUDA torch (whose extension cannot run a CUDA runtime anyway).
+Stream torch_current_stream(const c10::Device& device);
 
 // Note [Speculative allocations]: while one of these is alive on a thread,
 // an allocation there that the budget cannot fit (after eviction) fails with

@@ -239,7 +239,10 @@ c10::Storage materialize_storage(const std::shared_ptr<StorageResidency>& reside
   void* data = nullptr;
   {
     py::gil_scoped_release no_gil;  // a swap-in may block on a copy
-    data = manager.materialize(residency.get(), nullptr);
+    // Note [Copies ordered after the entry's stream]: the swap-in (and the
+    // prefetches it issues) follows the stream that unpacks, where the
+    // tensor is read next.
+    data = manager.materialize(residency.get(), torch_current_stream(residency->device()));
     if (data != nullptr) {
       storage = residency->storage();
       manager.unpin(residency.get());
@@ -533,7 +536,7 @@ py::object pack_saved_tensor(const at::Tensor& tensor) {
     }
   }
   if (is_new) {
-    runtime->manager().register_entry(residency.get());
+    runtime->manager().register_entry(residency.get(), torch_current_stream(residency->device()));
   } else {
     runtime->manager().touch(residency.get());
   }

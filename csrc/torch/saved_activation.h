@@ -28,6 +28,7 @@ class StorageResidency final : public ResidencyEntry {
 
   // The storage while resident (valid after materialize(), before unpin()).
   const c10::Storage& storage() const { return storage_; }
+  const c10::Device& device() const { return device_; }
   // Takes a replayed storage as the new device copy (Note [Recompute]);
   // throws if its size, device or allocator do not match.
   void adopt_recomputed(c10::Storage storage);
