@@ -779,6 +779,14 @@ std::vector<SegmentInfo> CachingAllocator::snapshot() const {
     segment.page_bytes = segment.expandable ? entry.second.expandable->page_bytes() : 0;
     segment.retired = entry.second.retired;
     segment.small_pool = entry.second.head->pool->is_small();
+    if (const ExpandableSegment* expandable = entry.second.expandable.get()) {
+      const auto base = reinterpret_cast<uintptr_t>(expandable->base());
+      for (const auto& [first, count] : expandable->mapped_runs_inside(expandable->base(), expandable->size())) {
+        segment.mapped_ranges.emplace_back(base + first * expandable->page_bytes(), count * expandable->page_bytes());
+      }
+    } else {
+      segment.mapped_ranges.emplace_back(segment.address, segment.size);
+    }
     for (const Block* block = entry.second.head; block != nullptr; block = block->next) {
       BlockInfo info;
       info.address = reinterpret_cast<uintptr_t>(block->ptr);

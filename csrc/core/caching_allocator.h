@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -90,6 +91,9 @@ struct SegmentInfo {
   bool retired = false;     // an expandable segment the budget's page replaced
   bool small_pool = false;
   std::vector<BlockInfo> blocks;  // in address order, covering the segment
+  // The address ranges backed by memory (address, bytes), ascending: the
+  // whole segment, except in expandable ones.
+  std::vector<std::pair<uintptr_t, size_t>> mapped_ranges;
 };
 
 // The failure callback of the OOM ladder ("evict, then retry").

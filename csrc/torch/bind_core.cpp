@@ -137,33 +137,6 @@ py::dict stats_dict(const AllocatorStats& stats) {
   return result;
 }
 
-py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
-  py::list result;
-  for (const SegmentInfo& segment : segments) {
-    py::list blocks;
-    for (const BlockInfo& block : segment.blocks) {
-      py::dict entry;
-      entry["address"] = block.address;
-      entry["size"] = block.size;
-      entry["allocated"] = block.allocated;
-      entry["stream"] = to_address(block.stream);
-      entry["awaiting_events"] = block.awaiting_events;
-      blocks.append(entry);
-    }
-    py::dict entry;
-    entry["address"] = segment.address;
-    entry["size"] = segment.size;
-    entry["mapped_bytes"] = segment.mapped_bytes;
-    entry["expandable"] = segment.expandable;
-    entry["page_bytes"] = segment.page_bytes;
-    entry["retired"] = segment.retired;
-    entry["small_pool"] = segment.small_pool;
-    entry["blocks"] = blocks;
-    result.append(entry);
-  }
-  return result;
-}
-
 MemoryKind parse_kind(const std::string& kind) {
   if (kind == "device") return MemoryKind::device;
   if (kind == "host") return MemoryKind::host;
@@ -382,6 +355,36 @@ void bind_policy(py::module_& core) {
 }
 
 }  // namespace
+
+py::list snapshot_list(const std::vector<SegmentInfo>& segments) {
+  py::list result;
+  for (const SegmentInfo& segment : segments) {
+    py::list blocks;
+    for (const BlockInfo& block : segment.blocks) {
+      py::dict entry;
+      entry["address"] = block.address;
+      entry["size"] = block.size;
+      entry["allocated"] = block.allocated;
+      entry["stream"] = to_address(block.stream);
+      entry["awaiting_events"] = block.awaiting_events;
+      blocks.append(entry);
+    }
+    py::dict entry;
+    entry["address"] = segment.address;
+    entry["size"] = segment.size;
+    entry["mapped_bytes"] = segment.mapped_bytes;
+    entry["expandable"] = segment.expandable;
+    entry["page_bytes"] = segment.page_bytes;
+    entry["retired"] = segment.retired;
+    entry["small_pool"] = segment.small_pool;
+    entry["blocks"] = blocks;
+    py::list mapped;
+    for (const auto& [address, bytes] : segment.mapped_ranges) mapped.append(py::make_tuple(address, bytes));
+    entry["mapped_ranges"] = mapped;
+    result.append(entry);
+  }
+  return result;
+}
 
 void bind_core(py::module_& m) {
   py::module_ core = m.def_submodule(

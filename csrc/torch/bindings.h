@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "core/caching_allocator.h"
 #include "core/copy_timeline.h"
 
 namespace membudget {
@@ -25,5 +26,11 @@ void bind_timeline(pybind11::module_& m);
 pybind11::dict timeline_dict(const CopyTotals& totals, const std::vector<CopyRecord>& copies,
                              const std::vector<WaitRecord>& waits);
 pybind11::dict timeline_dict(const CopyTimeline& timeline);
+
+// A CachingAllocator::snapshot() as a list of dicts (bind_core.cpp): each
+// segment's address, size, mapped_bytes, mapped_ranges, expandable,
+// page_bytes, retired, small_pool and blocks (address, size, allocated,
+// stream, awaiting_events).
+pybind11::list snapshot_list(const std::vector<SegmentInfo>& segments);
 
 }  // namespace membudget

@@ -299,6 +299,10 @@ void bind_runtime(py::module_& m) {
         "(Note [Threads started after install()]), and records lineage or not: its out-of-memory errors say "
         "what that means.");
   m.def("memory_stats", &memory_stats, "Flat statistics dict (torch.cuda.memory_stats style keys).");
+  m.def("device_snapshot", [] {
+    Runtime* runtime = Runtime::get();
+    return runtime == nullptr ? py::list() : snapshot_list(runtime->device_allocator().snapshot());
+  }, "The device allocator's segments and blocks (bindings.h snapshot_list); empty before install.");
   m.def("set_out_of_memory_note", [](const std::string& note) {
     if (Runtime* r = Runtime::get()) r->manager().set_out_of_memory_note(note);
   }, py::arg("note"), "Text appended to every out-of-memory message from now on (empty: none).");

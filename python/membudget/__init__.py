@@ -13,7 +13,7 @@ See DESIGN.md for the architecture and docs/configuration.md for every variable.
 from ._runtime import install, is_installed, uninstall
 from ._compiled_under_budget import compiled_plans
 from .config import Config, ConfigError
-from .stats import MemoryStats, memory_stats, reset_counters, reset_peak_stats, stats
+from .stats import MemoryStats, memory_snapshot, memory_stats, reset_counters, reset_peak_stats, stats
 from .planner import Plan, compile_backend, plan
 from .trace import Trace, TraceOp, TraceTensor
 from .simulate import SimRow, simulate
@@ -31,6 +31,7 @@ __all__ = [
     "uninstall",
     "is_installed",
     "memory_stats",
+    "memory_snapshot",
     "stats",
     "reset_peak_stats",
     "reset_counters",

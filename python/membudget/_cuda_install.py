@@ -93,6 +93,7 @@ def install_cuda_allocator() -> str:
     if getattr(_C, "torch_cuda_hooks_compiled", False):
         _C.install_cuda_pluggable_with_hooks()
         _installed_path = "hooks"
+        serve_memory_snapshots()
         return _installed_path
 
     warnings.warn(
@@ -117,7 +118,60 @@ def install_cuda_allocator() -> str:
         ) from error
     _python_allocator = allocator
     _installed_path = "python"
+    serve_memory_snapshots()
     return _installed_path
+
+
+# Note [Memory snapshots]: torch's CUDAPluggableAllocator refuses snapshot()
+# and recordHistory(), so under membudget torch.cuda.memory_snapshot(),
+# torch.cuda.memory._snapshot() and _dump_snapshot() -- the file users load
+# into the memory visualizer when they debug an out-of-memory -- raised, and
+# so did torch.cuda.memory._record_memory_history(), the recipe's first step.
+# All of them reach the allocator through two functions of torch._C, looked
+# up at each call; they are replaced (once membudget is torch's allocator,
+# for the rest of the process, as the allocator is) by answers from
+# membudget's own allocator: its segments and blocks now
+# (membudget.memory_snapshot()), with no allocation history, which membudget
+# does not record -- recording it is refused with a warning instead of an
+# error. Overriding snapshot() in C++ instead would tie the hooks to one
+# torch version: its signature changed across the versions supported.
+_WARNED_NO_HISTORY = False
+
+
+def cuda_memory_snapshot(*_args, **_kwargs) -> dict:
+    """What ``torch._C._cuda_memorySnapshot`` returns, from membudget's
+    allocator (Note [Memory snapshots]): ``segments`` as
+    :func:`membudget.memory_snapshot`, and one empty ``device_traces`` list
+    per device (no allocation history is recorded)."""
+    from .stats import memory_snapshot
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return {"segments": memory_snapshot(), "device_traces": [[] for _ in range(max(devices, 1))],
+            "allocator_settings": {}, "external_annotations": []}
+
+
+def record_no_memory_history(enabled=None, *_args, **_kwargs) -> None:
+    """``torch._C._cuda_record_memory_history`` (and its ``_legacy`` form)
+    under membudget (Note [Memory snapshots]): history is not recorded; the
+    first call that turns it on says so."""
+    global _WARNED_NO_HISTORY
+    if enabled and not _WARNED_NO_HISTORY:
+        _WARNED_NO_HISTORY = True
+        warnings.warn(
+            "membudget: allocation history is not recorded under membudget's allocator; "
+            "torch.cuda.memory._snapshot() and _dump_snapshot() show its segments and blocks "
+            "as they are, without stack traces or a trace of events (membudget.memory_snapshot())",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def serve_memory_snapshots() -> None:
+    """Route torch's memory snapshot and history functions to membudget's
+    allocator (Note [Memory snapshots])."""
+    torch._C._cuda_memorySnapshot = cuda_memory_snapshot
+    torch._C._cuda_record_memory_history = record_no_memory_history
+    torch._C._cuda_record_memory_history_legacy = record_no_memory_history
 
 
 def cuda_build_info() -> dict:

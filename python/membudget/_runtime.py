@@ -119,6 +119,7 @@ _started_thread_recorder = None
 _started_thread_mode = threading.local()  # .mode: a started thread's LineageMode
 _native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
 _exit_pause_registered = False  # Note [Process groups torn down with the GIL held]
+_managed_device: Optional[torch.device] = None  # the runtime's device, from its creation on
 
 
 def _choose_device(native, device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -233,7 +234,7 @@ def install(
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
     """
-    global _hooks_thread, _exit_pause_registered
+    global _hooks_thread, _exit_pause_registered, _managed_device
     config = Config.from_env(
         budget=budget,
         host_budget=host_budget,
@@ -281,6 +282,8 @@ def install(
             check_cuda_allocator_swappable()
         had_runtime = native.runtime_kind() != "none"
         native.install_runtime(target.type, target.index or 0, settings)
+        if not had_runtime:
+            _managed_device = target
         if first_cuda_install:
             try:
                 install_cuda_allocator()
@@ -742,6 +745,13 @@ def uninstall() -> None:
         _compiled_under_budget.leave_compiles()
         _func_transforms.restore()
         native.uninstall_runtime()
+
+
+def managed_device_index() -> int:
+    """The index of the device the runtime manages (0 on the CPU, and before
+    install)."""
+    device = _managed_device
+    return device.index or 0 if device is not None and device.type == "cuda" else 0
 
 
 def is_installed() -> bool:

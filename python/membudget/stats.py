@@ -9,12 +9,12 @@ in a notebook.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Dict
+from typing import Any, Dict, List
 
 from ._native import load_extension
 from .config import format_bytes
 
-__all__ = ["memory_stats", "stats", "reset_peak_stats", "MemoryStats"]
+__all__ = ["memory_stats", "memory_snapshot", "stats", "reset_peak_stats", "MemoryStats"]
 
 
 def memory_stats() -> Dict[str, float]:
@@ -41,6 +41,59 @@ def memory_stats() -> Dict[str, float]:
     moved to where a request needed them (``moved_bytes_total``) since the
     last :func:`reset_counters`."""
     return dict(load_extension().memory_stats())
+
+
+def memory_snapshot() -> List[Dict[str, Any]]:
+    """The managed device's memory as segments and blocks, in the format of
+    ``torch.cuda.memory_snapshot()``; empty before :func:`membudget.install`.
+
+    Each segment is memory the allocator holds from the device: a fixed
+    segment, or one mapped range of an expandable segment (as torch reports
+    its own), with ``device`` (the managed device's index; 0 on the CPU),
+    ``address``, ``total_size``, ``allocated_size``, ``active_size``,
+    ``requested_size``, ``stream``, ``segment_type`` (``"small"`` or
+    ``"large"`` pool), ``segment_pool_id`` (always ``(0, 0)``),
+    ``is_expandable``, ``frames`` and ``blocks``. Each block has
+    ``address``, ``size``, ``state`` (``"active_allocated"``,
+    ``"active_awaiting_free"``: freed while a stream given to
+    ``record_stream`` may still use it, or ``"inactive"``), ``frames`` and
+    ``requested_size``. Not recorded by membudget, so reported as what they
+    can be at most: a block's ``requested_size`` is its size, and
+    ``frames`` are empty (allocation history is not recorded). The segments'
+    ``total_size`` add up to ``reserved_bytes.all.current`` and the allocated
+    blocks to ``allocated_bytes.all.current``.
+
+    On CUDA, ``torch.cuda.memory_snapshot()``, ``torch.cuda.memory._snapshot()``
+    and ``_dump_snapshot()`` (the file the memory visualizer reads) answer
+    with this (Note [Memory snapshots] in ``_cuda_install.py``)."""
+    from . import _runtime
+
+    device = _runtime.managed_device_index()
+    segments = []
+    for raw in load_extension().device_snapshot():
+        stream = raw["blocks"][0]["stream"] if raw["blocks"] else 0
+        for address, size in raw["mapped_ranges"]:
+            blocks = []
+            for block in raw["blocks"]:
+                start = max(block["address"], address)
+                end = min(block["address"] + block["size"], address + size)
+                if start >= end:
+                    continue
+                if block["allocated"]:
+                    state = "active_allocated"
+                else:
+                    state = "active_awaiting_free" if block["awaiting_events"] else "inactive"
+                blocks.append({"address": start, "size": end - start, "requested_size": end - start,
+                               "state": state, "frames": []})
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            active = allocated + sum(b["size"] for b in blocks if b["state"] == "active_awaiting_free")
+            segments.append({
+                "device": device, "address": address, "total_size": size, "allocated_size": allocated,
+                "active_size": active, "requested_size": allocated, "stream": stream,
+                "segment_type": "small" if raw["small_pool"] else "large", "segment_pool_id": (0, 0),
+                "is_expandable": raw["expandable"], "frames": [], "blocks": blocks,
+            })
+    return segments
 
 
 def reset_peak_stats() -> None:
