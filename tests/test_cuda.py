@@ -365,6 +365,37 @@ def test_record_stream_and_empty_cache_reach_membudget():
     assert out["y"] == 2.0
 
 
+@requires_cuda
+def test_torch_memory_snapshots_answer_from_membudget():
+    """Note [Memory snapshots]: torch.cuda.memory_snapshot() and the memory
+    visualizer's recipe work under membudget's allocator, with its own
+    segments."""
+    result = run_python("""
+        import json, pickle, tempfile, warnings, torch, membudget
+        from torch.cuda import _memory_viz
+        membudget.install(budget="1GiB")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.memory._record_memory_history()
+        kept = [torch.ones(n << 20, device="cuda") for n in (1, 7, 3)]
+        del kept[1]
+        segments = torch.cuda.memory_snapshot()
+        with tempfile.NamedTemporaryFile(suffix=".pickle") as f:
+            torch.cuda.memory._dump_snapshot(f.name)
+            dumped = pickle.load(open(f.name, "rb"))
+        _memory_viz.segsum(dumped)
+        print(json.dumps({"warned": any("history is not recorded" in str(w.message) for w in caught),
+                          "same": segments == membudget.memory_snapshot() == dumped["segments"],
+                          "reserved": sum(s["total_size"] for s in segments),
+                          "torch_reserved": torch.cuda.memory_reserved(),
+                          "allocated": sum(s["allocated_size"] for s in segments),
+                          "torch_allocated": torch.cuda.memory_allocated()}))
+    """)
+    out = last_json_line(result)
+    assert out["warned"] and out["same"]
+    assert out["reserved"] == out["torch_reserved"] and out["allocated"] == out["torch_allocated"] >= 4 << 22
+
+
 FRAGMENTED_CUDA = """
     import json, sys, torch, membudget
     membudget.install(budget="64MiB", expandable_segments=sys.argv[1] == "1")
