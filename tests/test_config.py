@@ -371,3 +371,14 @@ def test_recompute_ahead_auto_resolves_per_device():
         assert resolve_recompute_ahead("auto", device) is on
         assert resolve_recompute_ahead("on", device) is True
         assert resolve_recompute_ahead("off", device) is False
+
+
+def test_recompute_ahead_stays_off_on_cuda_without_record_stream():
+    """Note [Recompute ahead needs record_stream]: installed without the C++
+    hooks, record_stream is a no-op on CUDA, so no side-stream replay."""
+    from membudget.config import resolve_recompute_ahead
+
+    assert resolve_recompute_ahead("auto", "cuda", record_stream_works=False) is False
+    with pytest.warns(RuntimeWarning, match="record_stream"):
+        assert resolve_recompute_ahead("on", "cuda", record_stream_works=False) is False
+    assert resolve_recompute_ahead("on", "cpu", record_stream_works=False) is True

@@ -263,7 +263,9 @@ def install(
         "high_watermark": config.high_watermark,
         "log_decisions": "decisions" in config.log or "evictions" in config.log,
         "expandable_segments": config.expandable_segments,
-        "recompute_ahead": resolve_recompute_ahead(config.recompute_ahead, target.type),
+        "recompute_ahead": resolve_recompute_ahead(
+            config.recompute_ahead, target.type,
+            record_stream_works=bool(getattr(native, "torch_cuda_hooks_compiled", False))),
         # Note [Copies ahead where copies are free] (csrc/core/residency_manager.h).
         "copies_ahead": target.type == "cuda",
     }

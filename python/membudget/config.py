@@ -382,9 +382,29 @@ def _parse_recompute_ahead(value: Union[str, bool, int], label: str) -> str:
 RECOMPUTE_AHEAD_AUTO: Dict[str, bool] = {"cuda": True, "cpu": False}
 
 
-def resolve_recompute_ahead(setting: str, device_type: str) -> bool:
+def resolve_recompute_ahead(setting: str, device_type: str, record_stream_works: bool = True) -> bool:
     """Whether recompute-ahead is on for ``setting`` (``"auto"``, ``"on"``,
-    ``"off"``) on a device of ``device_type`` (``"cpu"``, ``"cuda"``)."""
+    ``"off"``) on a device of ``device_type`` (``"cpu"``, ``"cuda"``).
+
+    Note [Recompute ahead needs record_stream]: on CUDA a replay ahead of use
+    runs on a side stream and its result is read and freed on the compute
+    stream; ``record_stream`` is what keeps the side stream from reusing the
+    block while the compute stream still reads it. Where membudget is
+    installed without its C++ hooks (``record_stream_works`` False: the
+    extension was built against a torch without CUDA) ``record_stream`` is a
+    no-op, so recompute-ahead stays off there, with a warning when it was
+    asked for."""
+    if device_type == "cuda" and not record_stream_works:
+        if setting == "on":
+            warnings.warn(
+                "membudget: recompute ahead is off: without the C++ hooks (this extension was built "
+                "against a torch without CUDA) tensor.record_stream() is a no-op, and a side-stream "
+                "replay's memory could be reused while backward still reads it. Rebuild the extension "
+                "against this CUDA torch to use it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
     if setting == "auto":
         return RECOMPUTE_AHEAD_AUTO.get(device_type, False)
     return setting == "on"
