@@ -127,8 +127,9 @@ def install_cuda_allocator() -> str:
 # torch.cuda.memory._snapshot() and _dump_snapshot() -- the file users load
 # into the memory visualizer when they debug an out-of-memory -- raised, and
 # so did torch.cuda.memory._record_memory_history(), the recipe's first step.
-# All of them reach the allocator through two functions of torch._C, looked
-# up at each call; they are replaced (once membudget is torch's allocator,
+# All of them reach the allocator through functions of torch._C
+# (_cuda_memorySnapshot, _cuda_record_memory_history and its _legacy form),
+# looked up at each call; these are replaced (once membudget is torch's allocator,
 # for the rest of the process, as the allocator is) by answers from
 # membudget's own allocator: its segments and blocks now
 # (membudget.memory_snapshot()), with no allocation history, which membudget
