@@ -396,6 +396,22 @@ def test_torch_memory_snapshots_answer_from_membudget():
     assert out["reserved"] == out["torch_reserved"] and out["allocated"] == out["torch_allocated"] >= 4 << 22
 
 
+@requires_cuda
+def test_set_per_process_memory_fraction_bounds_the_budget():
+    """Note [Memory fraction as a budget]: torch's pluggable allocator ignores
+    the fraction; under membudget it bounds the budget, read back by torch."""
+    result = run_python("""
+        import json, torch, membudget
+        membudget.install()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.25)
+        print(json.dumps({"budget": membudget.memory_stats()["budget_bytes"], "quarter": int(0.25 * total),
+                          "read": torch._C._cuda_getMemoryFraction(0)}))
+    """)
+    out = last_json_line(result)
+    assert out["budget"] == out["quarter"] and out["read"] == 0.25
+
+
 FRAGMENTED_CUDA = """
     import json, sys, torch, membudget
     membudget.install(budget="64MiB", expandable_segments=sys.argv[1] == "1")

@@ -289,6 +289,15 @@ void bind_runtime(py::module_& m) {
   m.def("install_runtime", &install_runtime, py::arg("device_kind"), py::arg("device_index"), py::arg("config"),
         "Create (or reconfigure) the runtime; on cpu also install the CPU allocator.");
   m.def("uninstall_runtime", &uninstall_runtime, "Stop managing; on cpu restore the previous CPU allocator.");
+  m.def("set_budget_bytes", [](size_t budget_bytes) {
+    Runtime* runtime = Runtime::get();
+    if (runtime == nullptr) throw std::runtime_error("membudget: no runtime to set a budget on (install() first)");
+    RuntimeConfig config = runtime->config();
+    config.budget_bytes = budget_bytes;
+    runtime->reconfigure(config);
+  }, py::arg("budget_bytes"),
+        "Change the device budget alone (0: none), leaving every other setting and whether it manages "
+        "(Note [Memory fraction as a budget] in python/membudget/_runtime.py).");
   m.def("runtime_kind", []() -> std::string { return Runtime::get() ? Runtime::get()->device_kind() : "none"; });
   m.def("managing", []() { return Runtime::get() != nullptr && Runtime::get()->managing(); });
   m.def("note_thread_started_after_install", [](bool managed, bool records_lineage) {

@@ -93,7 +93,7 @@ def install_cuda_allocator() -> str:
     if getattr(_C, "torch_cuda_hooks_compiled", False):
         _C.install_cuda_pluggable_with_hooks()
         _installed_path = "hooks"
-        serve_memory_snapshots()
+        serve_torch_queries()
         return _installed_path
 
     warnings.warn(
@@ -118,7 +118,7 @@ def install_cuda_allocator() -> str:
         ) from error
     _python_allocator = allocator
     _installed_path = "python"
-    serve_memory_snapshots()
+    serve_torch_queries()
     return _installed_path
 
 
@@ -167,12 +167,17 @@ def record_no_memory_history(enabled=None, *_args, **_kwargs) -> None:
         )
 
 
-def serve_memory_snapshots() -> None:
-    """Route torch's memory snapshot and history functions to membudget's
-    allocator (Note [Memory snapshots])."""
+def serve_torch_queries() -> None:
+    """Route torch's memory snapshot and history functions (Note [Memory
+    snapshots]) and its per-process memory fraction (Note [Memory fraction
+    as a budget] in ``_runtime.py``) to membudget."""
+    from . import _runtime
+
     torch._C._cuda_memorySnapshot = cuda_memory_snapshot
     torch._C._cuda_record_memory_history = record_no_memory_history
     torch._C._cuda_record_memory_history_legacy = record_no_memory_history
+    torch._C._cuda_setMemoryFraction = _runtime.set_memory_fraction
+    torch._C._cuda_getMemoryFraction = _runtime.memory_fraction
 
 
 def cuda_build_info() -> dict:

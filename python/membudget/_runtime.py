@@ -120,6 +120,18 @@ _started_thread_mode = threading.local()  # .mode: a started thread's LineageMod
 _native_recorder_hooks: Optional[Tuple[Callable, Callable]] = None  # made once: threads compare them by identity
 _exit_pause_registered = False  # Note [Process groups torn down with the GIL held]
 _managed_device: Optional[torch.device] = None  # the runtime's device, from its creation on
+# Note [Memory fraction as a budget]: torch.cuda.set_per_process_memory_fraction(f)
+# caps torch's caching allocator at f of the device's memory. torch's
+# CUDAPluggableAllocator, through which membudget is torch's allocator,
+# ignores it without a word (no memory-fraction function is set), so a script
+# that caps its memory so ran uncapped under membudget: with no
+# MEMBUDGET_BUDGET, with no budget at all. membudget honours it as a bound on
+# its budget: the budget in force is the smaller of install()'s and f of the
+# device's memory, kept membudget's way (evicting activations before an
+# out-of-memory error). The fraction is the process's, as torch's is: it
+# bounds later install() calls too; a fraction of 1 bounds nothing.
+_memory_fraction: Optional[float] = None
+_install_budget_bytes = 0  # what the last install() asked for, before the fraction bounds it
 
 
 def _choose_device(native, device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -234,7 +246,7 @@ def install(
     saved tensors to drop at pack time and recompute on use; anything it did
     not foresee is still handled dynamically. It needs recomputation allowed.
     """
-    global _hooks_thread, _exit_pause_registered, _managed_device
+    global _hooks_thread, _exit_pause_registered, _managed_device, _install_budget_bytes
     config = Config.from_env(
         budget=budget,
         host_budget=host_budget,
@@ -252,7 +264,8 @@ def install(
     )
     native = load_extension()
     target = _choose_device(native, device)
-    budget_bytes = config.budget_bytes(_device_capacity(native, target)) or 0
+    asked_bytes = config.budget_bytes(_device_capacity(native, target)) or 0
+    budget_bytes = _bounded_by_memory_fraction(asked_bytes, _device_capacity(native, target))
     settings = {
         "budget_bytes": budget_bytes,
         "host_budget_bytes": config.host_budget_bytes,
@@ -286,6 +299,7 @@ def install(
         native.install_runtime(target.type, target.index or 0, settings)
         if not had_runtime:
             _managed_device = target
+        _install_budget_bytes = asked_bytes
         if first_cuda_install:
             try:
                 install_cuda_allocator()
@@ -747,6 +761,42 @@ def uninstall() -> None:
         _compiled_under_budget.leave_compiles()
         _func_transforms.restore()
         native.uninstall_runtime()
+
+
+def _bounded_by_memory_fraction(budget_bytes: int, capacity: int) -> int:
+    """``budget_bytes`` (0: none) bounded by the memory fraction set (Note
+    [Memory fraction as a budget])."""
+    if _memory_fraction is None or _memory_fraction >= 1.0:
+        return budget_bytes
+    cap = int(_memory_fraction * capacity)
+    return cap if budget_bytes == 0 else min(budget_bytes, cap)
+
+
+def set_memory_fraction(fraction: float, device_index: int) -> None:
+    """``torch.cuda.set_per_process_memory_fraction`` under membudget (Note
+    [Memory fraction as a budget]): bounds the budget of the managed device
+    from now on; another device's fraction is ignored, as membudget serves
+    no other device. Set after an ``install()`` that had no budget, the
+    bound is enforced by swapping: whether forward records lineage for
+    recomputation was decided at ``install()``."""
+    global _memory_fraction
+    if not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"membudget: memory fraction {fraction} is not between 0 and 1")
+    with _state_lock:
+        if _managed_device is None or device_index != managed_device_index():
+            return
+        _memory_fraction = float(fraction)
+        native = load_extension()
+        native.set_budget_bytes(_bounded_by_memory_fraction(_install_budget_bytes,
+                                                            _device_capacity(native, _managed_device)))
+
+
+def memory_fraction(device_index: int) -> float:
+    """``torch.cuda.get_per_process_memory_fraction`` under membudget: the
+    fraction set for the managed device, else 1.0 (torch's default)."""
+    if _memory_fraction is None or device_index != managed_device_index():
+        return 1.0
+    return _memory_fraction
 
 
 def managed_device_index() -> int:

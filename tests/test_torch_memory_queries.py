@@ -1,6 +1,7 @@
 """membudget.memory_snapshot(), and torch's snapshot functions answered from
 membudget's allocator on CUDA (Note [Memory snapshots] in
-python/membudget/_cuda_install.py). torch's own checks of the format
+python/membudget/_cuda_install.py); torch's per-process memory fraction as a
+bound on the budget (Note [Memory fraction as a budget] in _runtime.py). torch's own checks of the format
 (torch.cuda._memory_viz.segsum asserts that every segment's blocks add up
 to it, and the segments to what is reserved) run on the CPU runtime's
 snapshot, which has the same structure as a CUDA one."""
@@ -68,15 +69,17 @@ def test_the_snapshot_accounts_for_every_reserved_and_allocated_byte(installed_w
 
 
 def test_torch_snapshot_functions_answer_from_membudget(installed_with_holes, tmp_path, monkeypatch):
-    """What _cuda_install.serve_memory_snapshots() routes torch's functions
+    """What _cuda_install.serve_torch_queries() routes torch's functions
     to, called through torch's own Python functions (which exist in a CPU
     torch too): the memory visualizer's recipe, record history, run, dump a
     snapshot, works, with a warning that no history is recorded."""
     monkeypatch.setattr(torch._C, "_cuda_memorySnapshot", None, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_record_memory_history", None, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_record_memory_history_legacy", None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getMemoryFraction", None, raising=False)
     monkeypatch.setattr(_cuda_install, "_WARNED_NO_HISTORY", False)
-    _cuda_install.serve_memory_snapshots()
+    _cuda_install.serve_torch_queries()
     with pytest.warns(RuntimeWarning, match="allocation history is not recorded"):
         torch.cuda.memory._record_memory_history()
     with warnings.catch_warnings():
@@ -95,7 +98,7 @@ def test_fixed_segments_are_snapshotted_too():
     """The checks above in a process whose allocator has fixed segments."""
     script = (
         "import sys, pytest\n"
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', %r, '-k', 'every_reserved or torch_snapshot']))\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', %r, '-k', 'every_reserved or torch_snapshot_functions']))\n"
         % __file__
     )
     env = dict(os.environ, MEMBUDGET_EXPANDABLE_SEGMENTS="0")
@@ -108,3 +111,59 @@ def test_the_snapshot_is_empty_before_install():
     if load_extension().runtime_kind() != "none":
         pytest.skip("a runtime exists in this process already (runtimes live until exit)")
     assert membudget.memory_snapshot() == []
+
+
+@pytest.fixture
+def torch_fraction_routed(monkeypatch):
+    """torch._C's memory-fraction functions routed to membudget, as a CUDA
+    install routes them; the process's fraction reset afterwards."""
+    from membudget import _runtime
+
+    for name in ("_cuda_memorySnapshot", "_cuda_record_memory_history", "_cuda_record_memory_history_legacy",
+                 "_cuda_setMemoryFraction", "_cuda_getMemoryFraction"):
+        monkeypatch.setattr(torch._C, name, None, raising=False)
+    monkeypatch.setattr(_runtime, "_memory_fraction", None)
+    _cuda_install.serve_torch_queries()
+    yield _runtime
+    membudget.uninstall()
+
+
+def _train_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh())
+                                  for _ in range(8)])
+    model(torch.randn(1024, 512)).sum().backward()
+
+
+def test_a_memory_fraction_bounds_the_budget(torch_fraction_routed):
+    """Note [Memory fraction as a budget]: what
+    torch.cuda.set_per_process_memory_fraction(f) calls, f of the device's
+    memory becomes the budget where install() set none, the smaller of the
+    two where it set one, and later install() calls keep the bound."""
+    capacity = load_extension().device_capacity("cpu")
+    membudget.install(budget=None, min_tensor_bytes=0, actions="swap")
+    assert membudget.memory_stats()["budget_bytes"] == 0
+    fraction = (24 * MiB) / capacity
+    torch._C._cuda_setMemoryFraction(fraction, 0)
+    assert torch._C._cuda_getMemoryFraction(0) == fraction
+    assert membudget.memory_stats()["budget_bytes"] == int(fraction * capacity)
+    membudget.reset_peak_stats()
+    _train_mlp()  # 8 saved activations of 2 MiB plus the batch and weights: more than 24 MiB unmanaged
+    stats = membudget.memory_stats()
+    assert stats["swap_out_bytes"] > 0
+    assert stats["reserved_bytes.all.peak"] <= int(fraction * capacity)
+    membudget.install(budget="16MiB", min_tensor_bytes=0, actions="swap")
+    assert membudget.memory_stats()["budget_bytes"] == 16 * MiB  # the smaller
+    membudget.install(budget="64MiB", min_tensor_bytes=0, actions="swap")
+    assert membudget.memory_stats()["budget_bytes"] == int(fraction * capacity)  # bounded by the fraction
+    torch._C._cuda_setMemoryFraction(1.0, 0)
+    assert membudget.memory_stats()["budget_bytes"] == 64 * MiB  # a fraction of 1 bounds nothing
+
+
+def test_a_memory_fraction_out_of_range_or_for_another_device(torch_fraction_routed):
+    membudget.install(budget="32MiB", min_tensor_bytes=0, actions="swap")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        torch._C._cuda_setMemoryFraction(1.5, 0)
+    torch._C._cuda_setMemoryFraction(0.000001, 1)  # not the managed device: membudget serves none other
+    assert membudget.memory_stats()["budget_bytes"] == 32 * MiB
+    assert torch._C._cuda_getMemoryFraction(1) == 1.0
