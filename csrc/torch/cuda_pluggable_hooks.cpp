@@ -169,11 +169,13 @@ class BudgetedPluggableAllocator final : public PluggableBase {
   // captured, with what to use instead.
   void beginAllocateToPool(PoolDevice /*device*/, c10::cuda::MempoolId_t /*mempool_id*/,
                            std::function<bool(cudaStream_t)> /*filter*/) override {
+    // torch.cuda.use_mem_pool(pool) (a torch.cuda.MemPool) begins a private
+    // pool here too, so the message names both.
     TORCH_CHECK(false,
-                "membudget: CUDA graph capture is not supported under a membudget allocator (its "
-                "budget reuses memory a captured graph would keep writing to). Compile with "
-                "torch.compile(mode=\"default\") or mode=\"max-autotune-no-cudagraphs\", or "
-                "run without membudget.");
+                "membudget: private memory pools are not supported under a membudget allocator: CUDA "
+                "graph capture (its budget reuses memory a captured graph would keep writing to) and "
+                "torch.cuda.use_mem_pool. Compile with torch.compile(mode=\"default\") or "
+                "mode=\"max-autotune-no-cudagraphs\", allocate outside the pool, or run without membudget.");
   }
 };
 
