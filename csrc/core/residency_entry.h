@@ -73,6 +73,18 @@ namespace membudget {
 // dropping it then, was tried: an FSDP-like run that ran out of memory at
 // 60% of its peak recompute-only still did, in its first step, where there
 // is nothing to learn from (bench/RESULTS.md, session 33).
+// A resident entry is the same: its data is whole, and its replay, should it
+// be dropped after the gather, reads the storage filled again; made
+// swap-only by the write, it cost an FSDP-like run recompute-only at 70% of
+// its peak 20 MiB it could not drop (session 34). So resident entries'
+// probes are watched too, from the first time the manager finds any held
+// input freed (an eviction candidate whose replay could not run now, or a
+// watched drop): until then no run pays for the watch. A write leaves an
+// entry as it is when the entry, or any managed input its rebuild may come
+// to replay (resident ones too: the recorders rescue an entry for a write
+// it reaches only through one), had a held input freed. Per entry, not per
+// input: a write to another of its held inputs, never freed, is taken for
+// a refill too, which only a run whose held inputs are freed can meet.
 //
 // Note [Copies ordered after the entry's stream]: a swap-out reads the
 // entry's device memory on a copy stream, so it is ordered after the stream
@@ -134,9 +146,10 @@ class ResidencyEntry {
   // Note [Recompute ahead]
   bool ahead_queued_ = false;      // queued for a replay ahead of use, not begun
   bool recomputed_ahead_ = false;  // rebuilt ahead of use, not unpacked since
-  // Dropped, and a held input's storage was seen freed since (Note [Writes
-  // that refill a freed input]).
+  // A held input's storage was seen freed while it was dropped, or resident
+  // (Note [Writes that refill a freed input]).
   bool held_lost_ = false;
+  bool held_watched_ = false;  // listed in the manager's watched_resident_ once
   int pins_ = 0;              // >0 while the manager itself is working on it
   Stream stream_ = nullptr;   // made and read on (Note [Copies ordered after the entry's stream])
   void* host_copy_ = nullptr; // host tier block, bytes() long

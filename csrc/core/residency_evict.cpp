@@ -50,6 +50,9 @@ EvictionCandidate ResidencyManager::make_candidate(ResidencyEntry* entry, Decisi
     c.next_use_distance = next < 0 ? order_.predicted_length() + 1 : next - now;
   }
   c.recomputable = replayable_now(entry);
+  if (!c.recomputable && entry->recomputable_ && !entry->held_lost_ && !held_inputs_present(entry)) {
+    note_held_freed(entry);  // Note [Writes that refill a freed input]
+  }
   if (c.recomputable) {
     std::vector<uint64_t> visited;
     c.recompute_seconds = recompute_total(entry, visited);

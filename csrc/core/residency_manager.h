@@ -351,11 +351,16 @@ class ResidencyManager final : public Evictor {
   // would rebuild (Note [Held inputs freed under us] in residency_entry.h).
   bool replayable_now(const ResidencyEntry* entry) const;
   // Whether `test` holds for the entry or for a dropped ancestor its rebuild
-  // would replay (each visited once).
-  bool any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*)) const;
+  // would replay (each visited once); with `every_ancestor`, for any managed
+  // ancestor, dropped or not: those a rebuild may come to replay.
+  bool any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*),
+                      bool every_ancestor = false) const;
   static bool held_inputs_present(const ResidencyEntry* entry);
   // Note [Writes that refill a freed input] (residency_entry.h).
   void watch_held_inputs();
+  // Marks an entry whose held input has no storage now (Note [Writes that
+  // refill a freed input]); from then on resident entries are watched too.
+  void note_held_freed(ResidencyEntry* entry);
   // Its replay's cost with dropped ancestors' replays and host inputs'
   // copy-ins, each replay with the learned overhead (Note [Replay
   // overhead]); `replays`, when given, counts the replays it comprises.
@@ -448,8 +453,11 @@ class ResidencyManager final : public Evictor {
   std::vector<ResidencyEntry*> in_flight_;        // entries with a copy_event_
   std::vector<ResidencyEntry*> by_seq_;           // this iteration's entries by pack seq
   // Dropped entries whose probes are watched (Note [Writes that refill a
-  // freed input] in residency_entry.h), by id.
+  // freed input] in residency_entry.h), by id; resident ones with held
+  // inputs, watched once a held input was found freed.
   std::vector<uint64_t> watched_drops_;
+  std::vector<uint64_t> watched_resident_;
+  bool held_freed_seen_ = false;
   UnpackOrder order_;
   uint64_t clock_ = 0;
   uint64_t iteration_ = 0;

@@ -41,6 +41,10 @@ void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputab
   entry->held_inputs_ = recomputable ? std::move(held) : HeldInputs{};
   entry->unrecomputable_reason_ = recomputable ? std::string() : std::move(reason);
   entry->replay_seconds_ = std::max(replay_seconds, 0.0);
+  if (!entry->held_inputs_.empty() && !entry->held_watched_) {  // Note [Writes that refill a freed input]
+    entry->held_watched_ = true;
+    watched_resident_.push_back(entry->id());
+  }
   entry->inputs_.clear();
   for (uint64_t id : input_ids) {
     ResidencyEntry* input = find(id);
@@ -50,7 +54,8 @@ void ResidencyManager::set_recompute_info(ResidencyEntry* entry, bool recomputab
   }
 }
 
-bool ResidencyManager::any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*)) const {
+bool ResidencyManager::any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*),
+                                      bool every_ancestor) const {
   std::vector<const ResidencyEntry*> pending{entry};
   std::vector<uint64_t> visited{entry->id()};
   while (!pending.empty()) {
@@ -61,7 +66,7 @@ bool ResidencyManager::any_in_rebuild(const ResidencyEntry* entry, bool (*test)(
       if (std::find(visited.begin(), visited.end(), id) != visited.end()) continue;
       visited.push_back(id);
       const ResidencyEntry* input = find(id);
-      if (input != nullptr && input->state_ == Residency::dropped) pending.push_back(input);
+      if (input != nullptr && (every_ancestor || input->state_ == Residency::dropped)) pending.push_back(input);
     }
   }
   return false;
@@ -81,6 +86,11 @@ bool ResidencyManager::held_inputs_present(const ResidencyEntry* entry) {
   return true;
 }
 
+void ResidencyManager::note_held_freed(ResidencyEntry* entry) {
+  entry->held_lost_ = true;
+  held_freed_seen_ = true;
+}
+
 void ResidencyManager::watch_held_inputs() {
   for (size_t i = 0; i < watched_drops_.size();) {
     ResidencyEntry* entry = find(watched_drops_[i]);
@@ -89,9 +99,23 @@ void ResidencyManager::watch_held_inputs() {
       ++i;
       continue;
     }
-    if (still_dropped) entry->held_lost_ = true;
+    if (still_dropped) note_held_freed(entry);
     watched_drops_[i] = watched_drops_.back();
     watched_drops_.pop_back();
+  }
+  if (!held_freed_seen_) return;
+  // Not dropped: a drop watches it in watched_drops_ from then on.
+  for (size_t i = 0; i < watched_resident_.size();) {
+    ResidencyEntry* entry = find(watched_resident_[i]);
+    const bool watching = entry != nullptr && entry->recomputable_ && !entry->held_lost_ &&
+                          entry->state_ != Residency::dropped && entry->state_ != Residency::recomputing;
+    if (watching && held_inputs_present(entry)) {
+      ++i;
+      continue;
+    }
+    if (watching) note_held_freed(entry);
+    watched_resident_[i] = watched_resident_.back();
+    watched_resident_.pop_back();
   }
 }
 
@@ -99,9 +123,11 @@ bool ResidencyManager::reads_refilled_input(ResidencyEntry* entry) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   if (!entry->registered_) return false;
   watch_held_inputs();
-  return any_in_rebuild(entry, [](const ResidencyEntry* at) {
-    return at->state_ == Residency::dropped && at->held_lost_;
-  });
+  // Note [Writes that refill a freed input]: the entry in any state, and
+  // every managed ancestor: the recorders rescue an entry for a write its
+  // replay reaches only through a resident input (which a later drop would
+  // make it rebuild), and that input read the freed storage.
+  return any_in_rebuild(entry, [](const ResidencyEntry* at) { return at->held_lost_; }, /*every_ancestor=*/true);
 }
 
 bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
