@@ -83,11 +83,16 @@ def loss(model, x):
     return model(x).sum()
 
 
+def _reference_and_peak(builder):
+    """Plain PyTorch's run of `builder`'s model, and its unbudgeted peak under membudget."""
+    reference = run_plain(builder, batch, loss, STEPS)
+    unbudgeted = run_managed(builder, batch, loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
+    return reference, unbudgeted.stats["reserved_bytes.all.peak"]
+
+
 @pytest.fixture(scope="module")
 def reference_and_peak():
-    reference = run_plain(build, batch, loss, STEPS)
-    unbudgeted = run_managed(build, batch, loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
-    return reference, unbudgeted.stats["reserved_bytes.all.peak"]
+    return _reference_and_peak(build)
 
 
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
@@ -121,9 +126,7 @@ def test_recompute_alone_names_the_freed_inputs_when_it_cannot_fit(reference_and
 
 @pytest.fixture(scope="module")
 def shard_keeping_reference_and_peak():
-    reference = run_plain(build_keeping_shards, batch, loss, STEPS)
-    unbudgeted = run_managed(build_keeping_shards, batch, loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
-    return reference, unbudgeted.stats["reserved_bytes.all.peak"]
+    return _reference_and_peak(build_keeping_shards)
 
 
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
