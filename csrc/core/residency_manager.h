@@ -358,6 +358,9 @@ class ResidencyManager final : public Evictor {
   static bool held_inputs_present(const ResidencyEntry* entry);
   // Note [Writes that refill a freed input] (residency_entry.h).
   void watch_held_inputs();
+  // Keeps in `watched` the entries `watching` still holds whose held inputs
+  // are all present; marks those it holds that lost one, and lets go of both.
+  void watch(std::vector<uint64_t>& watched, bool (*watching)(const ResidencyEntry*));
   // Marks an entry whose held input has no storage now (Note [Writes that
   // refill a freed input]); from then on resident entries are watched too.
   void note_held_freed(ResidencyEntry* entry);

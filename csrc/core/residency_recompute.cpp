@@ -91,32 +91,28 @@ void ResidencyManager::note_held_freed(ResidencyEntry* entry) {
   held_freed_seen_ = true;
 }
 
-void ResidencyManager::watch_held_inputs() {
-  for (size_t i = 0; i < watched_drops_.size();) {
-    ResidencyEntry* entry = find(watched_drops_[i]);
-    const bool still_dropped = entry != nullptr && entry->state_ == Residency::dropped;
-    if (still_dropped && held_inputs_present(entry)) {
+void ResidencyManager::watch(std::vector<uint64_t>& watched, bool (*watching)(const ResidencyEntry*)) {
+  for (size_t i = 0; i < watched.size();) {
+    ResidencyEntry* entry = find(watched[i]);
+    const bool still = entry != nullptr && watching(entry);
+    if (still && held_inputs_present(entry)) {
       ++i;
       continue;
     }
-    if (still_dropped) note_held_freed(entry);
-    watched_drops_[i] = watched_drops_.back();
-    watched_drops_.pop_back();
+    if (still) note_held_freed(entry);
+    watched[i] = watched.back();
+    watched.pop_back();
   }
+}
+
+void ResidencyManager::watch_held_inputs() {
+  watch(watched_drops_, [](const ResidencyEntry* entry) { return entry->state_ == Residency::dropped; });
   if (!held_freed_seen_) return;
   // Not dropped: a drop watches it in watched_drops_ from then on.
-  for (size_t i = 0; i < watched_resident_.size();) {
-    ResidencyEntry* entry = find(watched_resident_[i]);
-    const bool watching = entry != nullptr && entry->recomputable_ && !entry->held_lost_ &&
-                          entry->state_ != Residency::dropped && entry->state_ != Residency::recomputing;
-    if (watching && held_inputs_present(entry)) {
-      ++i;
-      continue;
-    }
-    if (watching) note_held_freed(entry);
-    watched_resident_[i] = watched_resident_.back();
-    watched_resident_.pop_back();
-  }
+  watch(watched_resident_, [](const ResidencyEntry* entry) {
+    return entry->recomputable_ && !entry->held_lost_ && entry->state_ != Residency::dropped &&
+           entry->state_ != Residency::recomputing;
+  });
 }
 
 bool ResidencyManager::reads_refilled_input(ResidencyEntry* entry) {
