@@ -158,6 +158,9 @@ def test_a_memory_fraction_bounds_the_budget(torch_fraction_routed):
     assert membudget.memory_stats()["budget_bytes"] == int(fraction * capacity)  # bounded by the fraction
     torch._C._cuda_setMemoryFraction(1.0, 0)
     assert membudget.memory_stats()["budget_bytes"] == 64 * MiB  # a fraction of 1 bounds nothing
+    torch._C._cuda_setMemoryFraction(0.0, 0)
+    assert membudget.memory_stats()["budget_bytes"] == 1  # 0 allows nothing (0 bytes would mean no budget)
+    torch._C._cuda_setMemoryFraction(1.0, 0)
 
 
 def test_a_memory_fraction_out_of_range_or_for_another_device(torch_fraction_routed):

@@ -768,7 +768,7 @@ def _bounded_by_memory_fraction(budget_bytes: int, capacity: int) -> int:
     [Memory fraction as a budget])."""
     if _memory_fraction is None or _memory_fraction >= 1.0:
         return budget_bytes
-    cap = int(_memory_fraction * capacity)
+    cap = max(int(_memory_fraction * capacity), 1)  # a fraction of 0 allows nothing, as torch's does, not "no budget"
     return cap if budget_bytes == 0 else min(budget_bytes, cap)
 
 
