@@ -24,6 +24,16 @@ pytestmark = pytest.mark.requires_native
 MiB = 1 << 20
 
 
+def _route_torch_queries(monkeypatch):
+    """_cuda_install.serve_torch_queries(), as a CUDA install runs it, with
+    torch._C's functions (and the warned-once flag) restored afterwards."""
+    for name in ("_cuda_memorySnapshot", "_cuda_record_memory_history", "_cuda_record_memory_history_legacy",
+                 "_cuda_setMemoryFraction", "_cuda_getMemoryFraction"):
+        monkeypatch.setattr(torch._C, name, None, raising=False)
+    monkeypatch.setattr(_cuda_install, "_WARNED_NO_HISTORY", False)
+    _cuda_install.serve_torch_queries()
+
+
 @pytest.fixture
 def installed_with_holes():
     """Installed under 32 MiB; tensors of several sizes, some freed (free
@@ -73,13 +83,7 @@ def test_torch_snapshot_functions_answer_from_membudget(installed_with_holes, tm
     to, called through torch's own Python functions (which exist in a CPU
     torch too): the memory visualizer's recipe, record history, run, dump a
     snapshot, works, with a warning that no history is recorded."""
-    monkeypatch.setattr(torch._C, "_cuda_memorySnapshot", None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_record_memory_history", None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_record_memory_history_legacy", None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getMemoryFraction", None, raising=False)
-    monkeypatch.setattr(_cuda_install, "_WARNED_NO_HISTORY", False)
-    _cuda_install.serve_torch_queries()
+    _route_torch_queries(monkeypatch)
     with pytest.warns(RuntimeWarning, match="allocation history is not recorded"):
         torch.cuda.memory._record_memory_history()
     with warnings.catch_warnings():
@@ -119,11 +123,8 @@ def torch_fraction_routed(monkeypatch):
     install routes them; the process's fraction reset afterwards."""
     from membudget import _runtime
 
-    for name in ("_cuda_memorySnapshot", "_cuda_record_memory_history", "_cuda_record_memory_history_legacy",
-                 "_cuda_setMemoryFraction", "_cuda_getMemoryFraction"):
-        monkeypatch.setattr(torch._C, name, None, raising=False)
     monkeypatch.setattr(_runtime, "_memory_fraction", None)
-    _cuda_install.serve_torch_queries()
+    _route_torch_queries(monkeypatch)
     yield _runtime
     membudget.uninstall()
 

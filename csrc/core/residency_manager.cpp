@@ -137,7 +137,7 @@ void ResidencyManager::register_entry(ResidencyEntry* entry, Stream stream) {
   entries_.insert(entry);
   by_id_[entry->id()] = entry;
   by_seq_.push_back(entry);
-  if (!watched_drops_.empty() || held_freed_seen_) watch_held_inputs();  // Note [Writes that refill a freed input]
+  watch_held_inputs();  // Note [Writes that refill a freed input]
   note_interval(pack_interval_s_, last_pack_);
   drop_planned();
   maybe_start_background_swaps();
@@ -277,7 +277,7 @@ void* ResidencyManager::materialize(ResidencyEntry* entry, Stream stream) {
   if (!unpacked_since_pack_) backward_start_clock_ = clock_ - 1;  // the first unpack of a backward
   unpacked_since_pack_ = true;
   if (entry->iteration_ == iteration_ && !replay_input) order_.record_unpack(entry->pack_seq_);
-  if (!watched_drops_.empty() || held_freed_seen_) watch_held_inputs();  // Note [Writes that refill a freed input]
+  watch_held_inputs();  // Note [Writes that refill a freed input]
   const bool was_prefetched = clear_prefetch(entry);
   entry->recomputed_ahead_ = false;
   switch (entry->state_) {

@@ -356,7 +356,8 @@ class ResidencyManager final : public Evictor {
   bool any_in_rebuild(const ResidencyEntry* entry, bool (*test)(const ResidencyEntry*),
                       bool every_ancestor = false) const;
   static bool held_inputs_present(const ResidencyEntry* entry);
-  // Note [Writes that refill a freed input] (residency_entry.h).
+  // Note [Writes that refill a freed input] (residency_entry.h). At every
+  // pack and unpack: returns at once while nothing is watched.
   void watch_held_inputs();
   // Keeps in `watched` the entries `watching` still holds whose held inputs
   // are all present; marks those it holds that lost one, and lets go of both.

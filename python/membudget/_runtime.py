@@ -264,8 +264,9 @@ def install(
     )
     native = load_extension()
     target = _choose_device(native, device)
-    asked_bytes = config.budget_bytes(_device_capacity(native, target)) or 0
-    budget_bytes = _bounded_by_memory_fraction(asked_bytes, _device_capacity(native, target))
+    capacity = _device_capacity(native, target)
+    asked_bytes = config.budget_bytes(capacity) or 0
+    budget_bytes = _bounded_by_memory_fraction(asked_bytes, capacity)
     settings = {
         "budget_bytes": budget_bytes,
         "host_budget_bytes": config.host_budget_bytes,
