@@ -412,6 +412,22 @@ def test_set_per_process_memory_fraction_bounds_the_budget():
     assert out["budget"] == out["quarter"] and out["read"] == 0.25
 
 
+@requires_cuda
+def test_free_memory_queries_answer_for_the_budget():
+    """Note [Free memory as the budget sees it]: torch.cuda.mem_get_info()
+    gives the budget as total and its headroom as free."""
+    result = run_python("""
+        import json, torch, membudget
+        membudget.install(budget="1GiB")
+        kept = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        free, total = torch.cuda.mem_get_info()
+        print(json.dumps({"free": free, "total": total,
+                          "reserved": membudget.memory_stats()["reserved_bytes.all.current"]}))
+    """)
+    out = last_json_line(result)
+    assert out["total"] == 1 << 30 and out["free"] == (1 << 30) - out["reserved"] and out["reserved"] >= 256 << 20
+
+
 FRAGMENTED_CUDA = """
     import json, sys, torch, membudget
     membudget.install(budget="64MiB", expandable_segments=sys.argv[1] == "1")

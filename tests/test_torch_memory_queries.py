@@ -24,12 +24,22 @@ pytestmark = pytest.mark.requires_native
 MiB = 1 << 20
 
 
-def _route_torch_queries(monkeypatch):
+def _route_torch_queries(monkeypatch, device_memory_info=lambda index: (0, 0)):
     """_cuda_install.serve_torch_queries(), as a CUDA install runs it, with
-    torch._C's functions (and the warned-once flag) restored afterwards."""
+    torch._C's functions (and the warned-once flag) restored afterwards.
+    ``device_memory_info`` (device index to ``(free, total)``) stands for
+    the device's own answer to torch.cuda.mem_get_info, which a CPU torch
+    cannot give."""
     for name in ("_cuda_memorySnapshot", "_cuda_record_memory_history", "_cuda_record_memory_history_legacy",
-                 "_cuda_setMemoryFraction", "_cuda_getMemoryFraction"):
-        monkeypatch.setattr(torch._C, name, None, raising=False)
+                 "_cuda_setMemoryFraction", "_cuda_getMemoryFraction", "_accelerator_getMemoryInfo"):
+        monkeypatch.setattr(torch._C, name, device_memory_info if name == "_accelerator_getMemoryInfo" else None,
+                            raising=False)
+
+    def device_mem_get_info(device=None):
+        return device_memory_info(torch.cuda._utils._get_device_index(device))
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", device_mem_get_info)
+    monkeypatch.setattr(torch.cuda.memory, "mem_get_info", device_mem_get_info)
     monkeypatch.setattr(_cuda_install, "_WARNED_NO_HISTORY", False)
     _cuda_install.serve_torch_queries()
 
@@ -171,3 +181,35 @@ def test_a_memory_fraction_out_of_range_or_for_another_device(torch_fraction_rou
     torch._C._cuda_setMemoryFraction(0.000001, 1)  # not the managed device: membudget serves none other
     assert membudget.memory_stats()["budget_bytes"] == 32 * MiB
     assert torch._C._cuda_getMemoryFraction(1) == 1.0
+
+
+def test_free_memory_is_what_the_budget_leaves(monkeypatch):
+    """Note [Free memory as the budget sees it]: under a budget,
+    torch.cuda.mem_get_info() and torch.accelerator.get_memory_info() -- by
+    which device_map="auto" places weights -- answer for the managed device
+    as if the budget were the device; the device's own answer stands for
+    another device, where the device has less free, and without a budget."""
+    device = {"free": 900 * MiB, "total": 1024 * MiB}
+    _route_torch_queries(monkeypatch, lambda index: (device["free"] - index, device["total"] - index))
+    queries = [lambda: torch.cuda.mem_get_info(0), lambda: torch.cuda.mem_get_info("cuda:0"),
+               lambda: torch.cuda.memory.mem_get_info(torch.device("cuda", 0))]
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "get_memory_info"):
+        queries.append(lambda: torch.accelerator.get_memory_info(0))
+    membudget.install(budget="32MiB", min_tensor_bytes=0, actions="swap")
+    try:
+        kept = torch.randn(3 * MiB // 4)  # 3 MiB reserved through membudget's allocator
+        reserved = membudget.memory_stats()["reserved_bytes.all.current"]
+        assert 3 * MiB <= reserved < 32 * MiB
+        for query in queries:
+            assert query() == (32 * MiB - reserved, 32 * MiB)
+        assert torch.cuda.mem_get_info(1) == (900 * MiB - 1, 1024 * MiB - 1)  # not the managed device
+        device["free"] = 2 * MiB  # others use the device: its own free is the smaller
+        assert torch.cuda.mem_get_info(0) == (2 * MiB, 32 * MiB)
+        device["free"] = 900 * MiB
+        membudget.install(budget=None, min_tensor_bytes=0, actions="swap")
+        assert torch.cuda.mem_get_info(0) == (900 * MiB, 1024 * MiB)
+        del kept
+    finally:
+        membudget.uninstall()
+    _cuda_install.serve_torch_queries()  # once more, as a second install would: wrapped once, not twice
+    assert torch.cuda.mem_get_info._membudget_wraps.__name__ == "device_mem_get_info"

@@ -24,6 +24,7 @@ memory statistics would itself initialise CUDA and make the swap impossible.
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable, Tuple
 
 import torch
 
@@ -167,12 +168,45 @@ def record_no_memory_history(enabled=None, *_args, **_kwargs) -> None:
         )
 
 
-def serve_torch_queries() -> None:
-    """Route torch's memory snapshot and history functions (Note [Memory
-    snapshots]) and its per-process memory fraction (Note [Memory fraction
-    as a budget] in ``_runtime.py``) to membudget."""
+def _budget_view_of(device_memory_info: Callable[[int], Tuple[int, int]], index_of: Callable[[Any], int]):
+    """``device_memory_info`` (a device index to the device's ``(free,
+    total)``) answering as the budget sees it (Note [Free memory as the
+    budget sees it] in ``_runtime.py``); ``index_of`` resolves the device
+    argument as the wrapped torch function does. Wrapping is done once: a
+    function already wrapped is returned as it is."""
     from . import _runtime
 
+    if getattr(device_memory_info, "_membudget_wraps", None) is not None:
+        return device_memory_info
+
+    def memory_info(device=None):
+        index = index_of(device)
+        return _runtime.memory_info_under_budget(index, *device_memory_info(index))
+
+    memory_info._membudget_wraps = device_memory_info
+    memory_info.__doc__ = device_memory_info.__doc__
+    return memory_info
+
+
+def _cuda_device_index(device) -> int:
+    """torch.cuda.mem_get_info's reading of its ``device`` argument: None
+    or a device without an index is the current device."""
+    index = torch.cuda._utils._get_device_index(device, optional=True) if device is not None else None
+    return torch.cuda.current_device() if index is None or index < 0 else index
+
+
+def serve_torch_queries() -> None:
+    """Route torch's memory snapshot and history functions (Note [Memory
+    snapshots]), its per-process memory fraction (Note [Memory fraction
+    as a budget] in ``_runtime.py``) and its free-memory queries (Note [Free
+    memory as the budget sees it], there too) to membudget."""
+    from . import _runtime
+
+    torch.cuda.mem_get_info = torch.cuda.memory.mem_get_info = _budget_view_of(
+        torch.cuda.memory.mem_get_info, _cuda_device_index)
+    if hasattr(torch._C, "_accelerator_getMemoryInfo"):  # torch >= 2.9: torch.accelerator.get_memory_info
+        torch._C._accelerator_getMemoryInfo = _budget_view_of(torch._C._accelerator_getMemoryInfo,
+                                                              _cuda_device_index)
     torch._C._cuda_memorySnapshot = cuda_memory_snapshot
     torch._C._cuda_record_memory_history = record_no_memory_history
     torch._C._cuda_record_memory_history_legacy = record_no_memory_history

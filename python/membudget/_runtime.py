@@ -800,6 +800,37 @@ def memory_fraction(device_index: int) -> float:
     return _memory_fraction
 
 
+# Note [Free memory as the budget sees it]: torch.cuda.mem_get_info() (and
+# torch.accelerator.get_memory_info()) report the device's free and total
+# memory, and scripts and libraries size what they put on the device by it:
+# accelerate's and transformers' device_map="auto" place weights up to the
+# free memory, transformers' continuous batching sizes its KV cache by it.
+# Under a budget they sized for a device membudget does not give them, and
+# the first step then held nothing but weights and cache within the budget
+# (out of memory, or every activation evicted). Under a budget the managed
+# device answers as if the budget were the device: total is the budget (the
+# device's total where that is smaller), free is the budget less what
+# membudget's allocator reserves -- as the device's own free excludes what
+# torch's cache holds -- or the device's free where that is smaller (other
+# processes use it too). Evictable activations are not counted free: what is
+# sized by this call (weights, caches) stays resident, and counting them
+# would leave the budget no room for the activations it must then hold.
+def memory_info_under_budget(device_index: int, device_free: int, device_total: int) -> Tuple[int, int]:
+    """``(free, total)`` bytes of device ``device_index`` as a script under
+    membudget should see them (Note [Free memory as the budget sees it]),
+    from the device's own ``device_free`` and ``device_total``: unchanged
+    without a budget, before install and for a device membudget does not
+    manage."""
+    if _managed_device is None or device_index != managed_device_index():
+        return device_free, device_total
+    stats = load_extension().memory_stats()
+    budget = int(stats.get("budget_bytes", 0))
+    if budget <= 0:
+        return device_free, device_total
+    headroom = max(budget - int(stats["reserved_bytes.all.current"]), 0)
+    return min(headroom, device_free), min(budget, device_total)
+
+
 def managed_device_index() -> int:
     """The index of the device the runtime manages (0 on the CPU, and before
     install)."""
