@@ -412,3 +412,81 @@ def test_a_saved_tensor_modified_in_place_raises_autograd_error(budget, actions,
         assert torch.equal(w.grad, z.detach())
     finally:
         membudget.uninstall()
+
+
+class _ReadsAVector(nn.Module):
+    """Two branches from the input: the first's four layers add the vector
+    ``v`` (their saved activations' replays read it), the second's six do
+    not. ``write()`` writes ``v`` in place (with its values unchanged), in
+    forward after both branches or between forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.reading = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.other = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+        self.register_buffer("v", torch.zeros(256))
+        self.write_in_forward = True
+
+    def write(self):
+        self.v.mul_(1.0)
+
+    def forward(self, x):
+        a = b = x
+        for layer in self.reading:
+            a = torch.tanh(layer(a) + self.v)
+        for layer in self.other:
+            b = torch.tanh(layer(b))
+        if self.write_in_forward:
+            self.write()
+        return a + b
+
+
+@pytest.mark.parametrize("where", ["in forward", "under no_grad before backward"])
+def test_a_rescue_that_fails_loses_the_activation_with_its_reason(lineage_recorder, where, monkeypatch, capfd):
+    """Note [A rescue that failed] (csrc/torch/lineage_replay.cpp): the
+    dropped activations whose replay reads ``v`` are rebuilt before ``v`` is
+    written, and that rebuild fails here (an out-of-memory, injected). The
+    C++ recorder rescues in a RecordFunction callback, whose errors torch
+    only printed while the write went ahead: now the activation is lost and
+    its use raises the rebuild's error with the write that needed it. The
+    Python recorder's rescue stops the op itself."""
+    from membudget import _runtime
+
+    failing = {"now": False}
+    made = _runtime._recompute_callback
+
+    def injecting(*args):
+        recompute = made(*args)
+
+        def rebuild(entry_id, ahead=False):
+            if failing["now"]:
+                raise torch.OutOfMemoryError("injected: no room to rebuild")
+            return recompute(entry_id, ahead)
+        return rebuild
+
+    monkeypatch.setattr(_runtime, "_recompute_callback", injecting)
+    model = _ReadsAVector()  # before install: v is an input no recorded op made
+    model.write_in_forward = where == "in forward"
+    model.write = lambda write=model.write: (failing.update(now=True), write(), failing.update(now=False))
+    membudget.install(budget=4 * MiB, actions="recompute", policy="lru", min_tensor_bytes=0, recompute_ahead=False)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            loss = model(torch.randn(512, 256)).square().mean()
+            if where != "in forward":
+                with torch.no_grad():
+                    model.write()
+            loss.backward()
+        message = str(info.value)
+        assert membudget.memory_stats()["drop_count"] > 0, message
+        if lineage_recorder == "cxx":
+            assert "is lost: it had to be rebuilt because an input its replay reads was about to be written in place" \
+                in message and "by aten::mul_" in message and "injected: no room to rebuild" in message, message
+        else:
+            assert "injected" in message, message
+        del info
+    finally:
+        failing["now"] = False
+        membudget.uninstall()
+    gc.collect()
+    assert "Exception in RecordFunction callback" not in capfd.readouterr().err

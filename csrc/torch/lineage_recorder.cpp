@@ -227,6 +227,7 @@ void forget_dead_entries(RecorderState& s, std::vector<std::shared_ptr<void>>& r
       continue;
     }
     s.swap_only_entries.erase(it->first);
+    s.lost.erase(it->first);
     released.push_back(std::move(it->second));
     it = s.by_entry.erase(it);
   }
@@ -674,7 +675,10 @@ void forget_written_storages(const OpInfo& info, c10::ArrayRef<const c10::IValue
       const at::Tensor& target = inputs[position].toTensor();
       if (!target.defined() || !target.has_storage()) continue;
       const uintptr_t key = storage_address(target);
-      if (s.held_storages.count(key) != 0) deferred.rescues.push_back(key);
+      if (s.held_storages.count(key) != 0) {
+        deferred.rescues.push_back(key);
+        deferred.writer = info.name.c_str();
+      }
       auto found = s.by_storage.find(target.storage().unsafeGetStorageImpl());
       if (found == s.by_storage.end()) continue;
       deferred.released.push_back(std::move(found->second.lineage));
@@ -769,6 +773,7 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
           // reads it are made resident, before the write lands (below).
           deferred.rescues.push_back(ref.external->key);
         }
+        deferred.writer = info->name.c_str();
       }
       Frame& frame = t_frames[slot];
       frame.node = std::move(node);

@@ -75,6 +75,13 @@ struct RecorderState {
   std::unordered_set<uintptr_t> held_storages;
   // Entries no history may rebuild (Note [Parts of a storage]).
   std::unordered_set<uint64_t> swap_only_entries;
+  // Dropped entries whose rescue failed, with why (Note [A rescue that
+  // failed] in lineage_replay.cpp).
+  struct Lost {
+    std::string message;
+    bool out_of_memory;
+  };
+  std::unordered_map<uint64_t, Lost> lost;
   // Parts of storages' lineages, per forward (Note [Lineage ownership]).
   std::vector<std::pair<int64_t, std::vector<std::shared_ptr<StorageLineage>>>> parts;
   // plan(entry_id, producer index, producer name, output index): a static
@@ -103,6 +110,7 @@ struct PlanQuery {
 // Declare it before the lock guard; call run() after the guard's scope.
 struct Deferred {
   std::vector<uintptr_t> rescues;        // external storages about to be written
+  const char* writer = nullptr;          // by this op (its name), for messages
   std::vector<uint64_t> swap_only;       // entries to make resident and swap-only (listed in swap_only_entries)
   std::vector<uint64_t> swap_only_released;  // the same, as a sweep released writers their replay needs
   std::vector<PlanQuery> plan_queries;
@@ -156,10 +164,13 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
 // Makes every managed entry whose replay reads the external storage `key`
 // resident and swap-only (replay.py's rescue_dependents_of). Takes the lock,
 // then the GIL once the lock is released: call it without the lock.
-void rescue_dependents_of(RecorderState& s, uintptr_t key);
+void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer);
 // Makes each entry resident, then swap-only, for `reason` (Note [Why not
-// recomputable] in csrc/core/residency_manager.cpp). Call it without the lock.
-void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason);
+// recomputable] in csrc/core/residency_manager.cpp); an entry that cannot be
+// made resident is lost (Note [A rescue that failed]). Never throws: it runs
+// inside RecordFunction callbacks. Call it without the lock.
+void make_swap_only(RecorderState& s, const std::vector<uint64_t>& entry_ids, const char* reason,
+                    const char* writer = nullptr);
 // Re-declares every managed entry's closure after a sweep truncated lineages.
 void redeclare_entries(RecorderState& s);
 // Pauses recording on this thread while alive (replays).

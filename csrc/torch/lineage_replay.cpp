@@ -9,6 +9,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "core/out_of_memory.h"
 #include "torch/lineage_recorder.h"
 #include "torch/saved_activation.h"
 
@@ -393,6 +394,11 @@ at::Tensor rebuild_entry(uint64_t entry_id, std::optional<std::tuple<int64_t, in
     }
     lineage = it->second;
     version = static_cast<int64_t>(lineage->mutations.size());
+    auto lost = s.lost.find(entry_id);  // Note [A rescue that failed]
+    if (lost != s.lost.end()) {
+      if (lost->second.out_of_memory) throw OutOfMemory(lost->second.message, 0);
+      throw ReplayError(lost->second.message);
+    }
   }
   std::optional<c10::Stream> record_on;
   if (stream) {
@@ -510,7 +516,7 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
   }
 }
 
-void rescue_dependents_of(RecorderState& s, uintptr_t key) {
+void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer) {
   std::vector<uint64_t> rescued;
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
@@ -526,25 +532,69 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key) {
   // Note [Writes that refill a freed input] (core/residency_entry.h): a
   // rebuild now would read a freed input's storage before the write fills it.
   rescued.erase(std::remove_if(rescued.begin(), rescued.end(), entry_reads_refilled_input), rescued.end());
-  make_swap_only(rescued, "an input its replay reads was about to be written in place (rescued: made resident)");
+  make_swap_only(s, rescued, "an input its replay reads was about to be written in place (rescued: made resident)",
+                 writer);
 }
 
-// The caller listed entry_ids in swap_only_entries.
-void make_swap_only(const std::vector<uint64_t>& entry_ids, const char* reason) {
+// Note [A rescue that failed]: an entry is rescued (made resident) before
+// something its replay needs goes: an input written in place, a writer a
+// sweep releases. A dropped entry is rebuilt for it, under the budget, and
+// that can run out of memory. The rescues run from the RecordFunction
+// callbacks, which torch runs under a catch-all: the error was printed as a
+// warning ("Exception in RecordFunction callback"), the op ran and wrote
+// anyway, and the entries after the failed one in the list were never made
+// swap-only: replayed later, they read the written input (the version check
+// caught it, as a RecomputeError that named the write and not the cause;
+// found with spectral_norm layers called twice in one forward, whose power
+// iteration writes its vector in place). Now every entry is declared
+// swap-only whatever happens to the others, and one that could not be
+// rebuilt is lost: its replay raises what the rebuild raised (an
+// out-of-memory as torch.OutOfMemoryError), with the write that made it
+// needed, when and only when the activation is used. The Python recorder
+// rescues inside its dispatch mode, where the error stops the op instead.
+void make_swap_only(RecorderState& s, const std::vector<uint64_t>& entry_ids, const char* reason,
+                    const char* writer) {
   if (entry_ids.empty()) return;
   py::gil_scoped_acquire gil;  // entry_storage may call the Python recompute callback
   for (uint64_t entry_id : entry_ids) {
-    entry_storage(entry_id);
+    std::string error;
+    bool out_of_memory = false;
+    try {
+      entry_storage(entry_id);
+    } catch (py::error_already_set& raised) {
+      static const py::object* torch_oom = new py::object(py::module_::import("torch").attr("OutOfMemoryError"));
+      out_of_memory = raised.matches(*torch_oom);
+      error = raised.what();
+    } catch (const OutOfMemory& raised) {
+      out_of_memory = true;
+      error = raised.what();
+    } catch (const c10::OutOfMemoryError& raised) {
+      out_of_memory = true;
+      error = raised.what_without_backtrace();
+    } catch (const std::exception& raised) {
+      error = raised.what();
+    }
+    if (!error.empty()) {
+      std::string message = "membudget: dropped activation " + std::to_string(entry_id) +
+                            " is lost: it had to be rebuilt because " + reason;
+      if (writer != nullptr) message += std::string(" by ") + writer;
+      message += ", and rebuilding it then failed: " + error +
+                 (out_of_memory ? " -- raise the budget, or allow swapping (MEMBUDGET_ACTIONS=both), which keeps "
+                                  "such activations on the host"
+                                : "");
+      std::lock_guard<std::recursive_mutex> lock(s.mutex);
+      s.lost[entry_id] = RecorderState::Lost{std::move(message), out_of_memory};
+    }
     set_entry_recompute_info(entry_id, false, 0.0, {}, reason);
   }
 }
 
 void Deferred::run(RecorderState& s) {
-  for (uintptr_t key : rescues) rescue_dependents_of(s, key);
+  for (uintptr_t key : rescues) rescue_dependents_of(s, key, writer);
   rescues.clear();
-  make_swap_only(swap_only, kSeveralHistories);
+  make_swap_only(s, swap_only, kSeveralHistories);
   swap_only.clear();
-  make_swap_only(swap_only_released,
+  make_swap_only(s, swap_only_released,
                  "an in-place write in its history was released (two forwards back; rescued: made resident)");
   swap_only_released.clear();
   if (!plan_queries.empty()) {
