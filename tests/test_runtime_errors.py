@@ -342,6 +342,30 @@ def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
     gc.collect()
 
 
+def test_oom_with_the_host_tier_full_names_what_cannot_be_recomputed():
+    """With both actions allowed and the host tier too small, what is left
+    on the device can only be dropped: the message says how much cannot
+    be, and why (here a rescue, as above), beside the host tier's advice."""
+    membudget.install(budget=24 * MiB, host_budget=64 * 1024, actions="both", min_tensor_bytes=64 * 1024)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Sigmoid())
+        loss = model(torch.randn(1024, 256)).square().mean()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(24 * MiB, dtype=torch.uint8)
+        message = str(info.value)
+        assert "of it not recomputable, which only the host tier could take [" in message, message
+        assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
+            in message, message
+        assert "MEMBUDGET_HOST_BUDGET" in message, message
+        del info, loss, model
+    finally:
+        membudget.uninstall()
+    gc.collect()
+
+
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
 def test_oom_under_recompute_only_names_the_obstacle_and_its_op(lineage):
     """A weight written under no_grad after a matmul read it, before

@@ -705,9 +705,16 @@ std::string ResidencyManager::describe_evictable() const {
   // a part of a split storage, a step on a thread that does not record). The
   // binding gives a reason with each declaration that an entry cannot be
   // replayed, and the bytes are told apart by reason, largest first.
+  //
+  // The same bytes, with the same reasons, are named where the host tier
+  // is full and recompute is allowed: what is left on the device can only
+  // be dropped, and "raise MEMBUDGET_HOST_BUDGET" alone did not say that
+  // the rest cannot be (a probe's GAN, spectral_norm called twice, under
+  // MEMBUDGET_ACTIONS=both with a small host tier).
+  const bool host_closed = allowed_.swap && allowed_.recompute && s.host_tier_full > 0;
   size_t unreleasable = 0;
   std::map<std::string, size_t> by_reason;
-  if (!allowed_.swap) {
+  if (!allowed_.swap || host_closed) {
     for (const ResidencyEntry* entry : entries_) {
       if (is_evictable(entry) && entry->state_ == Residency::resident && !replayable_now(entry)) {
         unreleasable += entry->bytes();
@@ -717,9 +724,11 @@ std::string ResidencyManager::describe_evictable() const {
   }
   std::string text = "evictable " + format_bytes(s.evictable_bytes) + " (" +
                      format_bytes(s.evictable_host_backed_bytes) + " already on host" +
-                     (unreleasable > 0 ? "; " + format_bytes(unreleasable) +
-                                             " of it not recomputable, which MEMBUDGET_ACTIONS=recompute cannot "
-                                             "release: allow swap" + describe_reasons(by_reason)
+                     (unreleasable > 0 ? "; " + format_bytes(unreleasable) + " of it not recomputable, " +
+                                             (host_closed ? std::string("which only the host tier could take")
+                                                          : std::string("which MEMBUDGET_ACTIONS=recompute cannot "
+                                                                        "release: allow swap")) +
+                                             describe_reasons(by_reason)
                                        : std::string()) +
                      "), in use by autograd/forward " +
                      format_bytes(s.in_use_bytes) + ", swapped to host " + format_bytes(s.host_bytes) +
