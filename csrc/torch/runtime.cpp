@@ -5,6 +5,8 @@
 #include <limits>
 #include <mutex>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
 
 #include "core/host_backend.h"
 #include "core/out_of_memory.h"
@@ -218,8 +220,24 @@ thread_local StartedThread t_started_after_install = StartedThread::kNo;
 // started threads] in lineage_recorder.cpp).
 thread_local bool t_started_records_lineage = false;
 
+// at::SavedTensorDefaultHooks::get_hooks() returned the hooks as a pair of
+// PyObject pointers (null: none) in torch 2.4, an optional pair since 2.5.
+template <typename Hooks, typename = void>
+struct HasValue : std::false_type {};
+template <typename Hooks>
+struct HasValue<Hooks, std::void_t<decltype(std::declval<const Hooks&>().has_value())>> : std::true_type {};
+
+template <typename Hooks>
+bool saved_tensor_hooks_set(const Hooks& hooks) {
+  if constexpr (HasValue<Hooks>::value) {
+    return hooks.has_value();
+  } else {
+    return hooks.first != nullptr;
+  }
+}
+
 std::string unmanaged_thread_note() {
-  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) {
+  if (saved_tensor_hooks_set(at::SavedTensorDefaultHooks::get_hooks())) {
     Runtime* runtime = Runtime::get();
     if (t_started_after_install == StartedThread::kManaged && runtime != nullptr &&
         !AllowedActions::parse(runtime->config().actions).swap && !t_started_records_lineage) {

@@ -33,6 +33,7 @@ memory and needs no sharing.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 import warnings
 from pathlib import Path
@@ -135,15 +136,30 @@ def partition_joint_graph(joint_module: fx.GraphModule, recompute_keys: Sequence
             continue
         saved_values.append(node)
     primal_inputs = [n for n in joint_module.graph.nodes if n.op == "placeholder" and P._is_primal(n)]
-    static_nodes = P.OrderedSet(p for i, p in enumerate(primal_inputs) if i in (static_lifetime_input_indices or ()))
+    # Note [Partitioner helpers across torch versions]: the helpers below are
+    # private to torch's partitioner and came over several releases (checked
+    # against the 2.4-2.13 wheels): static_lifetime_input_nodes and
+    # raise_getitems in 2.8 (OrderedSet, its type, in 2.7), is_not_collective
+    # (the impurity test of dead-code elimination) in 2.10. Where one is
+    # missing, the cut is made as that torch's own partitioner made it.
+    extract_options = {}
+    if "static_lifetime_input_nodes" in inspect.signature(P._extract_fwd_bwd_modules).parameters:
+        extract_options["static_lifetime_input_nodes"] = P.OrderedSet(
+            p for i, p in enumerate(primal_inputs) if i in (static_lifetime_input_indices or ()))
     fw_module, bw_module = P._extract_fwd_bwd_modules(
         joint_module, saved_values, saved_sym_nodes=list(dict.fromkeys(saved_sym_nodes)),
-        num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=static_nodes)
-    fw_module.graph.eliminate_dead_code(is_impure_node=P.is_not_collective)
-    bw_module.graph.eliminate_dead_code(is_impure_node=P.is_not_collective)
+        num_fwd_outputs=num_fwd_outputs, **extract_options)
+    impure = getattr(P, "is_not_collective", None)
+    raise_getitems = getattr(P, "raise_getitems", None)
+    for module in (fw_module, bw_module):
+        if impure is not None:
+            module.graph.eliminate_dead_code(is_impure_node=impure)
+        else:
+            module.graph.eliminate_dead_code()
     bw_module = P.reordering_to_mimic_autograd_engine(bw_module)
-    fw_module = P.raise_getitems(fw_module)
-    bw_module = P.raise_getitems(bw_module)
+    if raise_getitems is not None:
+        fw_module = raise_getitems(fw_module)
+        bw_module = raise_getitems(bw_module)
     return fw_module, bw_module
 
 
@@ -238,6 +254,13 @@ def compile_backend(budget: Union[int, float, str], *, compiler: str = "inductor
     what was decided for each graph."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compile_backend(compiler={compiler!r}): expected 'inductor' or 'aot_eager'")
+    if compiler == "inductor":
+        from torch._inductor import config as inductor_config
+
+        if not hasattr(inductor_config, "custom_partitioner_fn"):
+            raise RuntimeError(
+                f"compile_backend(compiler='inductor') needs torch >= 2.9, whose inductor takes a custom "
+                f"partitioner (this is torch {torch.__version__}); use compiler='aot_eager', or upgrade torch")
     partitioner = EchoPartitioner(budget, device_model=device_model, method=method, margin=margin)
 
     if compiler == "inductor":
