@@ -327,8 +327,10 @@ def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
     membudget.install(budget=24 * MiB, actions="recompute", lineage=lineage, min_tensor_bytes=64 * 1024)
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Sigmoid())
-        loss = model(torch.randn(1024, 256)).square().mean()
+        # The weight (1 MiB) is larger than a copy is kept for (Note [Held
+        # inputs kept as a copy]): the write rescues what reads it.
+        model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Sigmoid())
+        loss = model(torch.randn(1024, 512)).square().mean()
         with torch.no_grad():
             model[0].weight.mul_(0.5)
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -349,8 +351,10 @@ def test_oom_with_the_host_tier_full_names_what_cannot_be_recomputed():
     membudget.install(budget=24 * MiB, host_budget=64 * 1024, actions="both", min_tensor_bytes=64 * 1024)
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Sigmoid())
-        loss = model(torch.randn(1024, 256)).square().mean()
+        # The weight (1 MiB) is larger than a copy is kept for (Note [Held
+        # inputs kept as a copy]): the write rescues what reads it.
+        model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Sigmoid())
+        loss = model(torch.randn(1024, 512)).square().mean()
         with torch.no_grad():
             model[0].weight.mul_(0.5)
         with pytest.raises(torch.OutOfMemoryError) as info:
@@ -449,7 +453,9 @@ class _ReadsAVector(nn.Module):
         torch.manual_seed(0)
         self.reading = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
         self.other = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
-        self.register_buffer("v", torch.zeros(256))
+        # As large as an activation: too large to be kept as a copy (Note
+        # [Held inputs kept as a copy]), so the write rescues.
+        self.register_buffer("v", torch.zeros(512, 256))
         self.write_in_forward = True
 
     def write(self):

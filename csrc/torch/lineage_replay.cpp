@@ -516,24 +516,86 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
   }
 }
 
+bool keep_copies_of(RecorderState& s, const std::vector<std::shared_ptr<External>>& readers);  // below
+
 void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer) {
   std::vector<uint64_t> rescued;
+  // The held inputs on `key` those entries read, and whether each entry
+  // reads it only through tensors it holds (copyable: Note [Held inputs kept
+  // as a copy]) rather than through an entry.
+  std::vector<std::shared_ptr<External>> readers;
+  std::vector<bool> copyable;
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     for (const auto& [entry_id, lineage] : s.by_entry) {
       const size_t version = lineage->mutations.size();
       if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
       const Closure& memo = *lineage->memo[version];
-      if (memo.ok && std::binary_search(memo.externals.begin(), memo.externals.end(), key)) {
-        rescued.push_back(entry_id);
+      if (!memo.ok || !std::binary_search(memo.externals.begin(), memo.externals.end(), key)) continue;
+      bool reads = false;
+      bool through_tensors = true;
+      for (const std::shared_ptr<External>& held : memo.held) {
+        if (held->key != key) continue;
+        reads = true;
+        through_tensors = through_tensors && held->tensor.defined();
+        if (held->tensor.defined()) readers.push_back(held);
       }
+      // None: it read `key` through a held input copied at an earlier write.
+      if (!reads) continue;
+      rescued.push_back(entry_id);
+      copyable.push_back(through_tensors);
     }
   }
   // Note [Writes that refill a freed input] (core/residency_entry.h): a
   // rebuild now would read a freed input's storage before the write fills it.
-  rescued.erase(std::remove_if(rescued.begin(), rescued.end(), entry_reads_refilled_input), rescued.end());
+  for (size_t i = rescued.size(); i-- > 0;) {
+    if (entry_reads_refilled_input(rescued[i])) {
+      rescued.erase(rescued.begin() + static_cast<std::ptrdiff_t>(i));
+      copyable.erase(copyable.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  if (!rescued.empty() && keep_copies_of(s, readers)) {
+    size_t kept = 0;
+    for (size_t i = 0; i < rescued.size(); ++i) {
+      if (!copyable[i]) rescued[kept++] = rescued[i];
+    }
+    rescued.resize(kept);
+  }
   make_swap_only(s, rescued, "an input its replay reads was about to be written in place (rescued: made resident)",
                  writer);
+}
+
+// Note [Held inputs kept as a copy] (saved_activation.cpp): every reader of
+// the storage about to be written holds a copy of it from now on, made
+// before the write; false (nothing changed) where it is not worth its bytes
+// or does not fit. The readers leave the recorder's map of this forward's
+// held inputs, so that what reads the tensor after the write holds the tensor
+// itself; their key becomes the copy's, so that later writes to the tensor
+// no longer rescue what reads the copy.
+bool keep_copies_of(RecorderState& s, const std::vector<std::shared_ptr<External>>& readers) {
+  if (readers.empty()) return true;
+  at::Tensor storage_copy;
+  {
+    PauseRecording paused;
+    storage_copy = copy_of_held_input(readers.front()->tensor);
+  }
+  if (!storage_copy.defined()) return false;
+  const c10::Storage& copied = storage_copy.storage();
+  std::lock_guard<std::recursive_mutex> lock(s.mutex);
+  for (const std::shared_ptr<External>& held : readers) {
+    if (!held->tensor.defined() || held->tensor.storage().data() == copied.data()) continue;  // listed twice
+    held->tensor = held_input_on(copied, held->tensor);
+    held->key = storage_address(held->tensor);
+    held->probe.reset();
+  }
+  for (auto it = s.externals.begin(); it != s.externals.end();) {
+    if (std::find(readers.begin(), readers.end(), it->second) != readers.end()) {
+      it = s.externals.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return true;
 }
 
 // Note [A rescue that failed]: an entry is rescued (made resident) before

@@ -568,6 +568,49 @@ at::Tensor entry_storage(uint64_t entry_id) {
   return tensor_on_storage(std::move(storage), 0, {nbytes}, {1}, at::kByte);
 }
 
+// Note [Held inputs kept as a copy]: an op is about to write in place to a
+// held input (a tensor no recorded op made) that replays of managed entries
+// read. Those entries used to be rescued: the dropped ones rebuilt now, under
+// the budget, and all of them made swap-only. For a small input that took
+// recompute from everything downstream for the sake of a few bytes: a
+// spectral_norm layer called twice in one forward (a GAN's D(real) and
+// D(fake)) writes its power-iteration vector (256 B to 4 KiB) at the second
+// call, and a recompute-only run ran out of memory even at 98% of the peak.
+// Now an input of at most kHeldCopyBudgetShare of the budget is copied before
+// the write, and the replays that read it read the copy (at the version they
+// read, so their version checks hold), staying recomputable. A larger input,
+// no budget, or a copy that does not fit: the rescue, as before. Both
+// recorders (lineage_replay.cpp, replay.py) call this.
+constexpr size_t kHeldCopyBudgetShare = 64;
+
+at::Tensor copy_of_held_input(const at::Tensor& held) {
+  if (!held.defined() || !held.has_storage() || held.is_inference() || held.layout() != c10::kStrided) {
+    return at::Tensor();
+  }
+  Runtime* runtime = Runtime::get();
+  const size_t budget = runtime != nullptr ? runtime->config().budget_bytes : 0;
+  const c10::Storage& storage = held.storage();
+  const size_t nbytes = storage.nbytes();
+  if (budget == 0 || nbytes == 0 || nbytes > budget / kHeldCopyBudgetShare) return at::Tensor();
+  try {
+    at::Tensor bytes = tensor_on_storage(storage, 0, {static_cast<int64_t>(nbytes)}, {1}, at::kByte);
+    at::Tensor copied;
+    {
+      at::NoGradGuard no_grad;
+      copied = bytes.clone();
+    }
+    return held_input_on(copied.storage(), held);
+  } catch (const std::exception&) {
+    return at::Tensor();  // no room for the copy: the caller rescues instead
+  }
+}
+
+at::Tensor held_input_on(const c10::Storage& storage, const at::Tensor& like) {
+  at::Tensor moved = tensor_on_storage(storage, like.storage_offset(), like.sizes(), like.strides(), like.scalar_type());
+  moved.unsafeGetTensorImpl()->set_version_counter(c10::VariableVersion(static_cast<uint32_t>(like._version())));
+  return moved;
+}
+
 py::object entry_storage_tensor(uint64_t entry_id) {
   at::Tensor tensor = entry_storage(entry_id);
   return tensor.defined() ? py::cast(std::move(tensor)) : py::none();
@@ -651,6 +694,16 @@ void bind_saved_activation(py::module_& m) {
   m.def("entry_storage", &entry_storage_tensor, py::arg("entry_id"),
         "The whole storage of a live entry, resident, as a 1-D uint8 tensor (None if not live)");
   m.def("live_entry_ids", &live_entry_ids, "ids of the live managed entries");
+  m.def("copy_of_held_input", [](const at::Tensor& held) -> py::object {
+    at::Tensor copy = copy_of_held_input(held);
+    return copy.defined() ? py::cast(std::move(copy)) : py::none();
+  }, py::arg("tensor"),
+        "A held input on a copy of its storage at its version, or None where copying is not worth it or does "
+        "not fit (Note [Held inputs kept as a copy])");
+  m.def("held_input_on", [](const at::Tensor& copy, const at::Tensor& like) {
+    return held_input_on(copy.storage(), like);
+  }, py::arg("copy"), py::arg("like"),
+        "A tensor on copy's storage with like's geometry, dtype and version (Note [Held inputs kept as a copy])");
   m.def("any_entry_saved_for_backward", &any_entry_saved_for_backward,
         "Whether a live entry has a handle autograd holds (Note [Entries only lineage holds])");
   m.def("entry_handle", [](const at::Tensor& tensor) -> py::object {

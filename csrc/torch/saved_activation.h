@@ -85,6 +85,13 @@ pybind11::object entry_storage_tensor(uint64_t entry_id);
 // The same as a tensor (undefined when no live entry has that id), for the
 // C++ lineage recorder's replays. Called with the GIL held.
 at::Tensor entry_storage(uint64_t entry_id);
+// `held` (an input a recorded op is about to write) on a copy of its
+// storage, at its version, or undefined where the copy is not worth its
+// bytes or does not fit (Note [Held inputs kept as a copy]).
+at::Tensor copy_of_held_input(const at::Tensor& held);
+// A tensor on `storage` with the geometry, dtype and version of `like` (a
+// held input on the storage that copy_of_held_input copied).
+at::Tensor held_input_on(const c10::Storage& storage, const at::Tensor& like);
 // The live managed entry whose storage is `storage`, or null (Note [Held
 // inputs reached through their entry] in lineage_recorder.cpp).
 std::shared_ptr<StorageResidency> entry_of_storage(const c10::Storage& storage);

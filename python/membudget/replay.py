@@ -134,13 +134,51 @@ def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
     place: every managed entry whose replay reads it is made resident now,
     while its inputs are intact, and becomes swap-only."""
     key = storage_address(target)
+    rescued = []  # (entry id, whether it reads `key` only through tensors it holds)
+    readers = []  # those held inputs on `key`
     for entry_id, storage_lineage in list(lineage.by_entry.items()):
         memo = storage_lineage.memo.get(len(storage_lineage.mutations))
-        # Not one whose rebuild now would read a freed input's storage before
-        # the write fills it (Note [Writes that refill a freed input] in
-        # csrc/core/residency_entry.h).
-        if memo is not None and memo[0] and key in memo[3] and not lineage.native.entry_reads_refilled_input(entry_id):
-            lineage.rescued(entry_id)
+        if memo is None or not memo[0] or key not in memo[3]:
+            continue
+        on_key = [held for held in memo[5] if held.key == key]
+        # None: it reads `key` through a held input copied at an earlier
+        # write. Nor one whose rebuild now would read a freed input's storage
+        # before the write fills it (Note [Writes that refill a freed input]
+        # in csrc/core/residency_entry.h).
+        if not on_key or lineage.native.entry_reads_refilled_input(entry_id):
+            continue
+        rescued.append((entry_id, all(held.tensor is not None for held in on_key)))
+        readers.extend(held for held in on_key if held.tensor is not None)
+    if rescued and _keep_copies_of(lineage, readers):
+        rescued = [(entry_id, copyable) for entry_id, copyable in rescued if not copyable]
+    for entry_id, _ in rescued:
+        lineage.rescued(entry_id)
+
+
+def _keep_copies_of(lineage: Lineage, readers) -> bool:
+    """Note [Held inputs kept as a copy] (csrc/torch/saved_activation.cpp):
+    every reader of the storage about to be written holds a copy of it from
+    now on, made before the write; False (nothing changed) where it is not
+    worth its bytes or does not fit. The readers leave this forward's map of
+    held inputs, so that what reads the tensor after the write holds the
+    tensor itself, and take the copy's key, so that later writes to the
+    tensor no longer rescue what reads the copy."""
+    if not readers:
+        return True
+    copy = lineage.native.copy_of_held_input(readers[0].tensor)
+    if copy is None:
+        return False
+    moved = set()
+    for held in readers:
+        if id(held) in moved:
+            continue
+        moved.add(id(held))
+        held.tensor = lineage.native.held_input_on(copy, held.tensor)
+        held.key = storage_address(held.tensor)
+    for tensor_id, held in list(lineage.externals.items()):
+        if id(held) in moved:
+            del lineage.externals[tensor_id]
+    return True
 
 
 def rebuild_entry(lineage: Lineage, entry_id: int, stream=None) -> torch.Tensor:
