@@ -131,8 +131,10 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
 
 def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
     """``target`` (not produced by a recorded op) is about to be written in
-    place: every managed entry whose replay reads it is made resident now,
-    while its inputs are intact, and becomes swap-only."""
+    place: the managed entries whose replays read it read a copy of it from
+    now on where it is small (Note [Held inputs kept as a copy]); otherwise
+    each is made resident now, while its inputs are intact, and becomes
+    swap-only."""
     key = storage_address(target)
     rescued = []  # (entry id, whether it reads `key` only through tensors it holds)
     readers = []  # those held inputs on `key`
