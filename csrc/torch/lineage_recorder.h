@@ -161,9 +161,11 @@ std::shared_ptr<const Closure> closure(RecorderState& s, const std::shared_ptr<S
 // what cost its lineage can rebuild it (lineage.py's Lineage.on_pack); the
 // plan, if any, is asked later (deferred). Holds the lock.
 void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tensor, Deferred& deferred);
-// Makes every managed entry whose replay reads the external storage `key`
-// resident and swap-only (replay.py's rescue_dependents_of). Takes the lock,
-// then the GIL once the lock is released: call it without the lock.
+// The external storage `key` is about to be written by `writer`: the managed
+// entries whose replays read it read a copy from now on where it is small
+// (Note [Held inputs kept as a copy] in saved_activation.cpp), or else are
+// made resident and swap-only (replay.py's rescue_dependents_of). Takes the
+// lock, then the GIL once the lock is released: call it without the lock.
 void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer);
 // Makes each entry resident, then swap-only, for `reason` (Note [Why not
 // recomputable] in csrc/core/residency_manager.cpp); an entry that cannot be
