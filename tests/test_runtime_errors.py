@@ -319,12 +319,11 @@ def test_oom_under_recompute_only_tells_unrecomputable_bytes_apart_by_reason():
     gc.collect()
 
 
-@pytest.mark.parametrize("lineage", ["python", "cxx"])
-def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
-    """A weight written under no_grad between forward and backward makes
-    what its replay would read swap-only (a rescue); the out-of-memory
-    message that follows says so, under either recorder."""
-    membudget.install(budget=24 * MiB, actions="recompute", lineage=lineage, min_tensor_bytes=64 * 1024)
+def _out_of_memory_after_a_rescue(**install) -> str:
+    """The out-of-memory message of a request for the whole budget after a
+    weight is written under no_grad between forward and backward (a rescue
+    of what reads it, under ``install``'s settings)."""
+    membudget.install(budget=24 * MiB, min_tensor_bytes=64 * 1024, **install)
     try:
         torch.manual_seed(0)
         # The weight (1 MiB) is larger than a copy is kept for (Note [Held
@@ -336,38 +335,32 @@ def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
         with pytest.raises(torch.OutOfMemoryError) as info:
             torch.empty(24 * MiB, dtype=torch.uint8)
         message = str(info.value)
-        assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
-            in message, message
         del info, loss, model
+        return message
     finally:
         membudget.uninstall()
-    gc.collect()
+        gc.collect()
+
+
+@pytest.mark.parametrize("lineage", ["python", "cxx"])
+def test_oom_under_recompute_only_names_a_rescue_as_the_reason(lineage):
+    """A weight written under no_grad between forward and backward makes
+    what its replay would read swap-only (a rescue); the out-of-memory
+    message that follows says so, under either recorder."""
+    message = _out_of_memory_after_a_rescue(actions="recompute", lineage=lineage)
+    assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
+        in message, message
 
 
 def test_oom_with_the_host_tier_full_names_what_cannot_be_recomputed():
     """With both actions allowed and the host tier too small, what is left
     on the device can only be dropped: the message says how much cannot
     be, and why (here a rescue, as above), beside the host tier's advice."""
-    membudget.install(budget=24 * MiB, host_budget=64 * 1024, actions="both", min_tensor_bytes=64 * 1024)
-    try:
-        torch.manual_seed(0)
-        # The weight (1 MiB) is larger than a copy is kept for (Note [Held
-        # inputs kept as a copy]): the write rescues what reads it.
-        model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Sigmoid())
-        loss = model(torch.randn(1024, 512)).square().mean()
-        with torch.no_grad():
-            model[0].weight.mul_(0.5)
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            torch.empty(24 * MiB, dtype=torch.uint8)
-        message = str(info.value)
-        assert "of it not recomputable, which only the host tier could take [" in message, message
-        assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
-            in message, message
-        assert "MEMBUDGET_HOST_BUDGET" in message, message
-        del info, loss, model
-    finally:
-        membudget.uninstall()
-    gc.collect()
+    message = _out_of_memory_after_a_rescue(actions="both", host_budget=64 * 1024)
+    assert "of it not recomputable, which only the host tier could take [" in message, message
+    assert "MiB: an input its replay reads was about to be written in place (rescued: made resident)" \
+        in message, message
+    assert "MEMBUDGET_HOST_BUDGET" in message, message
 
 
 @pytest.mark.parametrize("lineage", ["python", "cxx"])
