@@ -519,12 +519,15 @@ void declare_packed(RecorderState& s, uint64_t entry_id, const at::Tensor& tenso
 bool keep_copies_of(RecorderState& s, const std::vector<std::shared_ptr<External>>& readers);  // below
 
 void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer) {
-  std::vector<uint64_t> rescued;
-  // The held inputs on `key` those entries read, and whether each entry
-  // reads it only through tensors it holds (copyable: Note [Held inputs kept
-  // as a copy]) rather than through an entry.
-  std::vector<std::shared_ptr<External>> readers;
-  std::vector<bool> copyable;
+  // Each entry whose replay reads `key`, the held inputs on `key` it reads,
+  // and whether it reads it only through tensors it holds (copyable: Note
+  // [Held inputs kept as a copy]) rather than through an entry.
+  struct Dependent {
+    uint64_t entry_id;
+    bool copyable = true;
+    std::vector<std::shared_ptr<External>> readers;
+  };
+  std::vector<Dependent> dependents;
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     for (const auto& [entry_id, lineage] : s.by_entry) {
@@ -532,35 +535,36 @@ void rescue_dependents_of(RecorderState& s, uintptr_t key, const char* writer) {
       if (lineage->memo_epoch != s.epoch || version >= lineage->memo.size() || !lineage->memo[version]) continue;
       const Closure& memo = *lineage->memo[version];
       if (!memo.ok || !std::binary_search(memo.externals.begin(), memo.externals.end(), key)) continue;
+      Dependent dependent{entry_id};
       bool reads = false;
-      bool through_tensors = true;
       for (const std::shared_ptr<External>& held : memo.held) {
         if (held->key != key) continue;
         reads = true;
-        through_tensors = through_tensors && held->tensor.defined();
-        if (held->tensor.defined()) readers.push_back(held);
+        dependent.copyable = dependent.copyable && held->tensor.defined();
+        if (held->tensor.defined()) dependent.readers.push_back(held);
       }
       // None: it read `key` through a held input copied at an earlier write.
-      if (!reads) continue;
-      rescued.push_back(entry_id);
-      copyable.push_back(through_tensors);
+      if (reads) dependents.push_back(std::move(dependent));
     }
   }
   // Note [Writes that refill a freed input] (core/residency_entry.h): a
-  // rebuild now would read a freed input's storage before the write fills it.
-  for (size_t i = rescued.size(); i-- > 0;) {
-    if (entry_reads_refilled_input(rescued[i])) {
-      rescued.erase(rescued.begin() + static_cast<std::ptrdiff_t>(i));
-      copyable.erase(copyable.begin() + static_cast<std::ptrdiff_t>(i));
-    }
+  // rebuild now would read a freed input's storage before the write fills
+  // it. Nor is it copied then: the held inputs are shared, and a copy taken
+  // before the refill would hand those entries what was in the freed storage.
+  const size_t before = dependents.size();
+  dependents.erase(std::remove_if(dependents.begin(), dependents.end(),
+                                  [](const Dependent& d) { return entry_reads_refilled_input(d.entry_id); }),
+                   dependents.end());
+  std::vector<std::shared_ptr<External>> readers;
+  for (const Dependent& dependent : dependents) {
+    readers.insert(readers.end(), dependent.readers.begin(), dependent.readers.end());
   }
-  if (!rescued.empty() && keep_copies_of(s, readers)) {
-    size_t kept = 0;
-    for (size_t i = 0; i < rescued.size(); ++i) {
-      if (!copyable[i]) rescued[kept++] = rescued[i];
-    }
-    rescued.resize(kept);
+  if (!dependents.empty() && dependents.size() == before && keep_copies_of(s, readers)) {
+    dependents.erase(std::remove_if(dependents.begin(), dependents.end(), [](const Dependent& d) { return d.copyable; }),
+                     dependents.end());
   }
+  std::vector<uint64_t> rescued;
+  for (const Dependent& dependent : dependents) rescued.push_back(dependent.entry_id);
   make_swap_only(s, rescued, "an input its replay reads was about to be written in place (rescued: made resident)",
                  writer);
 }

@@ -138,20 +138,25 @@ def rescue_dependents_of(lineage: Lineage, target: torch.Tensor) -> None:
     key = storage_address(target)
     rescued = []  # (entry id, whether it reads `key` only through tensors it holds)
     readers = []  # those held inputs on `key`
+    refilled = False
     for entry_id, storage_lineage in list(lineage.by_entry.items()):
         memo = storage_lineage.memo.get(len(storage_lineage.mutations))
         if memo is None or not memo[0] or key not in memo[3]:
             continue
         on_key = [held for held in memo[5] if held.key == key]
-        # None: it reads `key` through a held input copied at an earlier
-        # write. Nor one whose rebuild now would read a freed input's storage
-        # before the write fills it (Note [Writes that refill a freed input]
-        # in csrc/core/residency_entry.h).
-        if not on_key or lineage.native.entry_reads_refilled_input(entry_id):
+        if not on_key:
+            continue  # it reads `key` through a held input copied at an earlier write
+        # Nor one whose rebuild now would read a freed input's storage before
+        # the write fills it (Note [Writes that refill a freed input] in
+        # csrc/core/residency_entry.h); and then no copy is taken: the held
+        # inputs are shared, and a copy taken before the refill would hand
+        # those entries what was in the freed storage.
+        if lineage.native.entry_reads_refilled_input(entry_id):
+            refilled = True
             continue
         rescued.append((entry_id, all(held.tensor is not None for held in on_key)))
         readers.extend(held for held in on_key if held.tensor is not None)
-    if rescued and _keep_copies_of(lineage, readers):
+    if rescued and not refilled and _keep_copies_of(lineage, readers):
         rescued = [(entry_id, copyable) for entry_id, copyable in rescued if not copyable]
     for entry_id, _ in rescued:
         lineage.rescued(entry_id)
