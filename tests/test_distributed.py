@@ -23,7 +23,6 @@ a larger budget there, since what the finished blocks saved can then only
 stay (docs/recompute.md, "What is supported")."""
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -99,10 +98,11 @@ def _rank(rank: int, wrapper: str, init_file: str, out_dir: str) -> None:
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(verdicts, handle)
-    # Note [Process groups torn down with the GIL held] (membudget/cli.py):
-    # the group's worker threads get the GIL to finish before it goes.
-    time.sleep(0.05)
-    dist.destroy_process_group()
+    # Gloo's teardown aborts a rank now and then, without membudget too (seen
+    # in CI under plain torchrun); it is not under test here, so the ranks
+    # meet and leave without it once their verdicts are written.
+    dist.barrier()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("wrapper", sorted(CONFIGS))
