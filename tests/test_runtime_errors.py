@@ -144,6 +144,71 @@ def test_a_step_that_raises_after_a_compiled_region_leaves_no_memory(lineage_rec
     assert membudget.memory_stats()["allocated_bytes.all.current"] == before
 
 
+class _Marker:
+    pass
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    """Identity whose backward raises, as an out-of-memory error in a node's
+    backward (or in the recompute an unpack runs) does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("out of memory in backward")
+
+
+class _Tagged(torch.autograd.Function):
+    """Identity whose node carries a marker: the marker lives as long as the
+    node does."""
+
+    @staticmethod
+    def forward(ctx, x, markers):
+        ctx.marker = _Marker()
+        markers.append(__import__("weakref").ref(ctx.marker))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@pytest.mark.parametrize("budget, actions", [(None, "swap"), (256 * MiB, "both")])
+def test_a_backward_that_raises_leaves_no_graph_queued(lineage_recorder, budget, actions):
+    # Note [Backward tasks an error left queued] (_runtime.py): two branches
+    # meet at the loss, so when one raises in backward the other's node is
+    # already queued on this thread; torch's engine left it there, and with
+    # it the whole graph and every saved activation, until this thread's
+    # next backward. A GPT-2 run that ran out of memory in a recompute kept
+    # its parameters and 2.9 MB past uninstall() so.
+    torch.manual_seed(0)
+    trunk, left, right = nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+    x = torch.randn(128, 256)
+    membudget.install(budget=budget, actions=actions, min_tensor_bytes=4096)
+    native = load_extension()
+    markers = []
+
+    def loss():
+        hidden = _Tagged.apply(trunk(x).tanh(), markers)
+        return left(hidden).tanh().sum() + _RaisesInBackward.apply(right(hidden).tanh()).sum()
+
+    gc.collect()
+    handles_before = native.live_handles()
+    failing = loss()
+    with pytest.raises(torch.OutOfMemoryError, match="in backward"):
+        failing.backward()
+    del failing
+    gc.collect()
+    assert markers and markers[0]() is None  # the failed graph is gone
+    assert native.live_handles() == handles_before  # and its saved activations with it
+    left(trunk(x)).sum().backward()  # the next backward as usual
+    assert left.weight.grad is not None
+    membudget.uninstall()
+
+
 def test_retries_after_out_of_memory_do_not_pile_up_held_inputs(lineage_recorder):
     # Note [A forward that ran out of memory]: a forward began only once
     # backward had run, so a batch-size finder's retries were recorded as

@@ -480,6 +480,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     if not recording:
         native.set_recompute_callback(None)
         _push_saved_tensor_hooks(native.pack, native.unpack)
+        _wrap_autograd_entry_points()  # Note [Backward tasks an error left queued]
         return
     from .lineage import Lineage, LineageMode, hide_from_dynamo, track_function_forwards
     from .replay import rebuild_entry, rebuild_entry_on_stream
@@ -682,12 +683,53 @@ def _rearm(module, args) -> None:
     _lineage_mode.__enter__()
 
 
+def _draining_after_error(function, backward):
+    """Note [Backward tasks an error left queued]: when a node raises in
+    backward (an out-of-memory error, an unpack that failed), torch's engine
+    returns as soon as the graph task holds the error, and the tasks already
+    queued on this thread's ready queue stay there, each holding its node
+    and through it the rest of the failed step's graph: its saved
+    activations, membudget entries that still count against the budget,
+    until this thread's next backward pops them. A retry (a batch-size
+    finder's smaller batch) then ran its forward beside them, and
+    ``uninstall()`` left them allocated: a GPT-2 run that ran out of memory
+    in a recompute kept 2.9 MB and its parameters (``bench/RESULTS.md``,
+    session 36). Which tasks were queued depends on where the error struck,
+    so it leaked in some runs and not others. After an outermost backward
+    raised, ``backward`` of one throwaway leaf on this thread pops them now:
+    tasks of a graph task that is gone come first and are dropped unrun.
+    (The recorder cannot let go of that forward here: the caller's frame
+    still holds its loss while the error rises. It does at the next step's
+    optimizer step, or at ``uninstall()``.)"""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:
+            return function(*args, **kwargs)  # inside a backward: the outermost one drains
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            _drain_backward_tasks(backward)
+            raise
+
+    return wrapper
+
+
+def _drain_backward_tasks(backward) -> None:
+    leaf = torch.zeros((), requires_grad=True)
+    try:
+        backward(leaf)
+    except Exception:  # the error being raised is the one to report
+        pass
+
+
 def _wrap_autograd_entry_points() -> None:
     global _autograd_originals, _optimizer_hooks
     if _autograd_originals is None:
         _autograd_originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = _without_lineage_mode(_autograd_originals[0])
-        torch.autograd.grad = _without_lineage_mode(_autograd_originals[1])
+        backward, grad = (_without_lineage_mode(function) for function in _autograd_originals)
+        torch.autograd.backward = _draining_after_error(backward, backward)
+        torch.autograd.grad = _draining_after_error(grad, backward)
     if _optimizer_hooks is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -729,6 +771,7 @@ def _pop_hooks() -> None:
         _lineage_mode = None
         _lineage = None
         _parking_allowed = True
+    _restore_autograd_entry_points()  # swap only, or no budget: the drain alone
     torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
