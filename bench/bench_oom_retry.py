@@ -8,7 +8,11 @@ does not have, so the finder settles on a smaller batch than fits, or fails.
 This bench runs such a finder on a model compiled per block (eager layers
 between the blocks read their outputs: the case of Note [Held without their
 graph] and Note [A forward that ran out of memory] in
-``csrc/torch/lineage_recorder.cpp``), and prints, per lineage recorder:
+``csrc/torch/lineage_recorder.cpp``), or with ``--model gpt2`` on an eager
+transformers GPT-2 (64 wide, 2 layers, sequence 64) whose failures strike in
+backward, in a recompute (Note [Backward tasks an error left queued] in
+``_runtime.py``: try ``--budget 16232448 --start 32``), and prints, per
+lineage recorder:
 
 * after each failed attempt, the bytes still allocated and the saved-tensor
   handles still live, once the exception is gone and ``gc.collect()`` ran,
@@ -18,6 +22,7 @@ graph] and Note [A forward that ran out of memory] in
 
     PYTHONPATH=python python bench/bench_oom_retry.py [--backend aot_eager|inductor]
         [--recorders cxx,python] [--budget 40MiB] [--start 8192] [--actions recompute]
+        [--model mlp|gpt2]
 """
 from __future__ import annotations
 
@@ -50,6 +55,25 @@ def _model(backend: str):
     return nn.Sequential(*layers)
 
 
+def _gpt2():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    return GPT2LMHeadModel(config)
+
+
+def _loss(args, model, batch: int):
+    """Forward of one batch: the loss to run backward from."""
+    import torch
+
+    if args.model == "gpt2":
+        tokens = torch.randint(0, 256, (batch, 64))
+        return model(input_ids=tokens, labels=tokens).loss
+    return model(torch.randn(batch, 256)).square().mean()
+
+
 def _attempts(args, batches):
     """Installs, then tries each batch in order until one fits; returns a row per attempt."""
     import torch
@@ -57,22 +81,33 @@ def _attempts(args, batches):
     import membudget
     from membudget._native import load_extension
 
-    model = _model(args.backend)
+    if args.model == "gpt2":
+        membudget.install(budget=args.budget, actions=args.actions)  # the model under the budget too
+        model = _gpt2()
+    else:
+        model = _model(args.backend)
+        membudget.install(budget=args.budget, actions=args.actions)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    membudget.install(budget=args.budget, actions=args.actions)
     gc.collect()
     before = membudget.memory_stats()["allocated_bytes.all.current"]
     rows = []
     for batch in batches:
+        failed_in = ""
         try:
-            model(torch.randn(batch, 256)).square().mean().backward()
+            failed_in = "forward"
+            loss = _loss(args, model, batch)
+            failed_in = "backward"
+            loss.backward()
+            failed_in = "step"
             optimizer.step()
-            fitted = True
+            failed_in = ""
         except torch.OutOfMemoryError:
-            fitted = False
+            pass
+        loss = None
+        fitted = not failed_in
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        rows.append({"batch": batch, "fitted": fitted,
+        rows.append({"batch": batch, "fitted": fitted, "failed_in": failed_in,
                      "left_bytes": membudget.memory_stats()["allocated_bytes.all.current"] - before,
                      "handles": load_extension().live_handles()})
         if fitted:
@@ -90,7 +125,7 @@ def _worker(args) -> int:
 def _spawn(args, recorder: str, batches) -> list:
     env = dict(os.environ, MEMBUDGET_LINEAGE=recorder, PYTHONPATH=str(ROOT / "python"))
     command = [sys.executable, __file__, "--worker", ",".join(map(str, batches)), "--backend", args.backend,
-               "--budget", args.budget, "--actions", args.actions]
+               "--budget", args.budget, "--actions", args.actions, "--model", args.model]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"worker failed ({recorder}, {batches}):\n{done.stderr[-2000:]}")
@@ -104,6 +139,8 @@ def main() -> int:
     parser.add_argument("--budget", default="40MiB")
     parser.add_argument("--actions", default="recompute")
     parser.add_argument("--start", type=int, default=8192, help="the finder's first batch (halved on each failure)")
+    parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp",
+                        help="mlp: blocks compiled with --backend; gpt2: transformers GPT-2, eager")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -113,14 +150,15 @@ def main() -> int:
     while batch >= 8:
         batches.append(batch)
         batch //= 2
-    print(f"finder: batches {batches}, budget {args.budget}, actions {args.actions}, blocks compiled with "
-          f"{args.backend}", flush=True)
+    model = "GPT-2, eager" if args.model == "gpt2" else f"blocks compiled with {args.backend}"
+    print(f"finder: batches {batches}, budget {args.budget}, actions {args.actions}, {model}", flush=True)
     for recorder in args.recorders.split(","):
         finder = _spawn(args, recorder, batches)
         print(f"\n[{recorder}] one process, halving on each out-of-memory error:")
-        print(f"  {'batch':>6}  {'fitted':>6}  {'left allocated':>14}  {'live handles':>12}")
+        print(f"  {'batch':>6}  {'fitted':>10}  {'left allocated':>14}  {'live handles':>12}")
         for row in finder:
-            print(f"  {row['batch']:>6}  {'yes' if row['fitted'] else 'no':>6}  "
+            fitted = "yes" if row["fitted"] else f"no ({row['failed_in']})"
+            print(f"  {row['batch']:>6}  {fitted:>10}  "
                   f"{row['left_bytes'] / MiB:>11.2f} MiB  {row['handles']:>12}")
         alone = None
         for candidate in batches:  # the largest batch that fits in a fresh process
