@@ -3,6 +3,7 @@ torch.OutOfMemoryError with the numbers, a full host tier says so, and an
 exception in the middle of forward leaks no handles and no memory."""
 import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -85,7 +86,6 @@ def test_a_step_that_raises_after_a_compiled_region_leaves_no_memory(lineage_rec
     # per-block aot_eager model kept 28 MB of a 31 MB budget allocated after
     # every failed step, and retries ran out of memory.
     import torch._dynamo
-    import weakref
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ class _Tagged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, markers):
         ctx.marker = _Marker()
-        markers.append(__import__("weakref").ref(ctx.marker))
+        markers.append(weakref.ref(ctx.marker))
         return x.view_as(x)
 
     @staticmethod

@@ -716,10 +716,9 @@ def _draining_after_error(function, backward):
 
 
 def _drain_backward_tasks(backward) -> None:
-    leaf = torch.zeros((), requires_grad=True)
     try:
-        backward(leaf)
-    except Exception:  # the error being raised is the one to report
+        backward(torch.zeros((), requires_grad=True))
+    except Exception:  # the error being raised is the one to report (inference mode, say)
         pass
 
 
