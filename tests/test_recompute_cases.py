@@ -764,6 +764,37 @@ def test_a_tensor_filled_behind_the_dispatcher_is_swapped_not_replayed(where):
     assert both[2]["swap_out_count"] >= 1
 
 
+def test_an_empty_tensor_its_first_writer_fills_is_replayed(lineage_recorder):
+    # Note [An empty tensor its first writer fills] (lineage_replay.cpp):
+    # RReLU in training makes its noise with empty_like, and rrelu_with_noise
+    # fills it without reading it (nor bumping its version counter). Its
+    # output read the noise's empty contents, so it was never replayed:
+    # recompute-only ran out of memory even at 85% of the unmanaged peak.
+    def build():
+        return nn.Sequential(nn.Linear(64, 64), nn.RReLU(), nn.Linear(64, 64), nn.RReLU(), nn.Linear(64, 64))
+
+    recomputable = []
+
+    def run(model, x, evict):
+        loss = model(x).square().mean()
+        if evict:
+            entries = sorted(load_extension().entries(), key=lambda e: e["pack_seq"])
+            recomputable[:] = [e["recomputable"] for e in entries]
+            _evict_everything()
+        loss.backward()
+        return loss
+
+    plain = _grads(build, run)
+    managed = _grads(build, run, evict=True, actions="recompute")
+    _assert_same(plain, managed)
+    # Saved, in pack order: the batch, then per RReLU its noise and input
+    # and, read by the next Linear, its output; then the last output. The
+    # Python recorder declares the noise as autograd saves it, before the op
+    # has run (and written it): swap-only there, its readers still replayed.
+    noise = lineage_recorder == "cxx"
+    assert recomputable == [True] + [noise, True, True] * 2 + [True], str(recomputable)
+
+
 class _Gru(nn.Module):
     # On the CPU a GRU runs as per-step cells that split their gates with
     # unsafe_chunk (outputs sharing one storage, each with its own version

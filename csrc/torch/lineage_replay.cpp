@@ -79,7 +79,7 @@ void sort_unique(std::vector<T>& values) {
 }
 
 std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shared_ptr<StorageLineage>& lineage,
-                                               int64_t version, int depth) {
+                                               int64_t version, int depth, bool filled_by_reader = false) {
   auto result = std::make_shared<Closure>();
   // The first obstacle is the one reported (Note [Why not recomputable]).
   auto blocked = [&result](const char* why, const OpNode& at) {
@@ -99,7 +99,8 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
   bool ok = true;
   double seconds = 0.0;
   // Note [Contents nobody recorded] (lineage_ops.cpp).
-  if (version == 0 && lineage->producer->info != nullptr && lineage->producer->info->undefined_contents) {
+  if (version == 0 && !filled_by_reader && lineage->producer->info != nullptr &&
+      lineage->producer->info->undefined_contents) {
     blocked("made by an op whose contents nobody recorded (an empty tensor filled where nothing records)",
             *lineage->producer);
     return result;
@@ -136,7 +137,20 @@ std::shared_ptr<const Closure> compute_closure(RecorderState& s, const std::shar
         ok = false;  // read after a write lineage did not see
         continue;
       }
-      std::shared_ptr<const Closure> sub = closure(s, ref.lineage, ref.version, false, depth + 1);
+      // Note [An empty tensor its first writer fills]: rrelu_with_noise
+      // writes its `noise` argument, an empty_like made just before it, and
+      // reads none of what was there; so does any op handed an empty tensor
+      // it fills before reading (what a correct program reads of an empty
+      // tensor, it wrote). Replayed, it gets a fresh empty tensor and fills
+      // it again, with the RNG state it first ran under. Only this first
+      // writer: any other reader of the empty contents stays unreplayable
+      // (Note [Contents nobody recorded]), and its memo is not this one.
+      const bool filled_by_reader = ref.version == 0 && !source.mutations.empty() &&
+                                    source.mutations.front().lock() == node && source.producer->info != nullptr &&
+                                    source.producer->info->undefined_contents;
+      std::shared_ptr<const Closure> sub = filled_by_reader
+                                               ? compute_closure(s, ref.lineage, 0, depth + 1, true)
+                                               : closure(s, ref.lineage, ref.version, false, depth + 1);
       if (!sub->ok && result->why == nullptr) {
         result->why = sub->why;
         result->blame = sub->blame;

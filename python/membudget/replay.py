@@ -76,7 +76,7 @@ def closure(lineage: StorageLineage, version: int, top: bool = False, depth: int
     return result
 
 
-def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closure:
+def _replay_closure(lineage: StorageLineage, version: int, depth: int, filled_by_reader: bool = False) -> Closure:
     if depth > MAX_REPLAY_DEPTH:
         return (False, 0.0, set(), frozenset(),
                 f"its replay would run more than {MAX_REPLAY_DEPTH} ops deep at {lineage.producer.name}", frozenset())
@@ -86,7 +86,7 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
     externals: Set[int] = set()
     held: Set[ExternalLineage] = set()
     why = ""  # the first obstacle met, as the C++ recorder reports it
-    if version == 0 and _func_info(lineage.producer.func).undefined_contents:
+    if version == 0 and not filled_by_reader and _func_info(lineage.producer.func).undefined_contents:
         # Note [Contents nobody recorded] (csrc/torch/lineage_ops.cpp)
         return (False, 0.0, set(), frozenset(), "made by an op whose contents nobody recorded (an empty tensor "
                 f"filled where nothing records) at {lineage.producer.name}", frozenset())
@@ -117,8 +117,14 @@ def _replay_closure(lineage: StorageLineage, version: int, depth: int) -> Closur
                 ok = False  # read after a write lineage did not see
                 why = why or f"an input its replay reads was written where nothing records at {node.name}"
                 continue
-            sub_ok, sub_seconds, sub_deps, sub_externals, sub_why, sub_held = closure(source, ref.version,
-                                                                                      depth=depth + 1)
+            if (ref.version == 0 and source.mutations and source.mutations[0] is node
+                    and _func_info(source.producer.func).undefined_contents):
+                # Note [An empty tensor its first writer fills]
+                # (csrc/torch/lineage_replay.cpp): rrelu_with_noise's noise.
+                sub = _replay_closure(source, 0, depth + 1, filled_by_reader=True)
+            else:
+                sub = closure(source, ref.version, depth=depth + 1)
+            sub_ok, sub_seconds, sub_deps, sub_externals, sub_why, sub_held = sub
             if not sub_ok:
                 ok = False
                 why = why or sub_why
