@@ -499,7 +499,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         return handle
 
     def unpack(handle):
-        lineage.in_backward = True
+        lineage.note_unpack()
         return native_unpack(handle)
 
     recompute = _recompute_callback(device, lambda entry_id: rebuild_entry(lineage, entry_id),

@@ -163,7 +163,7 @@ class StorageLineage:
     """How one storage was computed (Note [Storage lineage])."""
 
     __slots__ = ("producer", "index", "mutations", "base", "entry_id", "versions", "memo", "generation",
-                 "__weakref__")
+                 "unbumped", "__weakref__")
 
     def __init__(self, producer: "OpNode", index: int, base: torch.Tensor):
         self.producer = producer
@@ -178,6 +178,9 @@ class StorageLineage:
         # recorded write: a reader whose version is not among these saw a
         # write lineage missed (no_grad, another thread) and is unreplayable.
         self.versions: List[int] = [base._version]
+        # The version before the last recorded write while nothing has read
+        # the version after it (Note [Writes that bump no version]).
+        self.unbumped: Optional[int] = None
         self.memo: Dict[int, tuple] = {}     # version -> closure (see replay.closure)
         _made.append(_weak(self))
 
@@ -212,6 +215,32 @@ def _prune_made() -> None:
     with _made_lock:
         read = len(_made)
         _made[:read] = [ref for ref in _made[:read] if ref() is not None]
+
+
+def at_last_version(lineage: StorageLineage, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is at the version its lineage's last recorded write
+    left it at.
+
+    Note [Writes that bump no version]: the mode runs below autograd's
+    ADInplaceOrView kernel, which bumps a written tensor's version counter
+    once the op returns, so a write is recorded as leaving the version one
+    more. Not every write bumps: rrelu_with_noise fills its noise (declared
+    written, ``Tensor(b!)``) and the counter stays. Read after such a write,
+    the tensor is at the version before it; nothing else can have written it
+    meanwhile (every write the recorder misses bumps the counter, never
+    lowers it), so the version after the write is that one. Without it the
+    noise read as written where nothing records, and was swap-only. The C++
+    recorder reads the version once the op has returned."""
+    version = tensor._version
+    last = lineage.versions[-1]
+    if version == last:
+        lineage.unbumped = None
+        return True
+    if lineage.unbumped is not None and version == lineage.unbumped:
+        lineage.versions[-1] = version
+        lineage.unbumped = None
+        return True
+    return False
 
 
 def _version_of(tensor: torch.Tensor) -> int:
@@ -470,6 +499,9 @@ class Lineage:
         # ``externals`` (Note [Every held input released]).
         self.held_inputs: "weakref.WeakSet[ExternalLineage]" = weakref.WeakSet()
         self.ops_recorded = 0
+        # (ops recorded when packed, lineage, tensor) of entries packed
+        # before their first write (Note [Packed before its first write]).
+        self.unwritten: List[tuple] = []
         # The thread that packed last: the one training (Note [Recording on
         # started threads]); None before the first pack.
         self.packer: Optional[int] = None
@@ -482,6 +514,8 @@ class Lineage:
     def note_unpack(self) -> None:
         """Backward has begun: the next recorded op starts a new forward."""
         self.in_backward = True
+        if self.unwritten:
+            self.declare_unwritten(every=True)  # Note [Packed before its first write]
 
     def retire(self) -> None:
         """uninstall(): from now on modes left on started threads pass ops
@@ -494,6 +528,7 @@ class Lineage:
         live = set(self.native.live_entry_ids())
         self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
         self.externals = {}
+        self.unwritten = []
 
     def may_begin_forward(self) -> bool:
         """Whether an op recorded on this thread after an unpack begins a
@@ -514,6 +549,7 @@ class Lineage:
         else:
             _prune_made()
             self.externals = {}
+            self.unwritten = []
             live = set(self.native.live_entry_ids())
             self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
         self.in_backward = False
@@ -559,6 +595,7 @@ class Lineage:
             held.tensor = held.handle = held.weak = None
         self.held_inputs = weakref.WeakSet()
         self.externals = {}
+        self.unwritten = []
         self.by_entry = {}
         self.in_backward = True
         self.packed_in_forward = False
@@ -573,7 +610,8 @@ class Lineage:
     def _ref(self, tensor: torch.Tensor, scratch: bool = False) -> TensorRef:
         lineage = lineage_of(tensor)
         if lineage is not None:
-            if tensor._version == lineage.versions[-1] and lineage.generation == _generation:
+            if lineage.generation == _generation and (tensor._version == lineage.versions[-1]
+                                                      or at_last_version(lineage, tensor)):
                 try:
                     return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
                 except RuntimeError:
@@ -628,6 +666,8 @@ class Lineage:
         (versions must predate its own writes)."""
         if (self.in_backward and self.may_begin_forward()) or self.took_out_of_memory():
             self._begin_forward()
+        if self.unwritten:
+            self.declare_unwritten()  # Note [Packed before its first write]
         refs: List[TensorRef] = []
         tensor_args = info.tensor_args
         if tensor_args is not None:
@@ -769,6 +809,7 @@ class Lineage:
             # Autograd's ADInplaceOrView kernel, above this mode, bumps the
             # version once the op returns: the version after it is one more.
             lineage.versions.append(target._version + 1)
+            lineage.unbumped = target._version  # Note [Writes that bump no version]
             lineage.memo.clear()
             if self.whole_of:
                 # Note [Writes behind a counter]: unsafe_chunk's outputs share
@@ -794,6 +835,7 @@ class Lineage:
     def _end_history(self, lineage: StorageLineage) -> None:
         lineage.mutations.append(_ENDED)
         lineage.versions.append(-1)  # no tensor's version: read from now on as a held input
+        lineage.unbumped = None
         lineage.memo.clear()
         if lineage.entry_id is not None:
             self.rescued(lineage.entry_id)  # its bytes changed behind the version it was declared at
@@ -809,6 +851,8 @@ class Lineage:
         """Declares to the manager how a newly managed storage can be rebuilt."""
         if self.retired:
             return
+        if self.unwritten:
+            self.declare_unwritten()
         if _graph_task_id() == -1:
             self.packer = _get_ident()
             self.packed_in_forward = True
@@ -843,15 +887,41 @@ class Lineage:
         base = lineage.base()
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
             return  # set_() or similar moved the tensor to another storage
-        if tensor._version != lineage.versions[-1]:
+        if not at_last_version(lineage, tensor):
             return  # written by something lineage did not see
+        entry_id = handle.entry_id
+        lineage.entry_id = entry_id
+        self.by_entry[entry_id] = lineage
+        if not lineage.mutations and _func_info(lineage.producer.func).undefined_contents:
+            # Note [Packed before its first write]: autograd saves an op's
+            # inputs before the op runs, and RReLU's noise is an empty
+            # tensor the op it is saved for fills (Note [An empty tensor its
+            # first writer fills] in csrc/torch/lineage_replay.cpp).
+            # Declared now it could only be swapped: nothing recorded its
+            # contents yet. It is declared once that op has returned; until
+            # then the manager holds it as not recomputable.
+            self.unwritten.append((self.ops_recorded, lineage, tensor))
+            return
+        self._declare(entry_id, lineage)
+
+    def declare_unwritten(self, every: bool = False) -> None:
+        """Declares the entries packed empty (Note [Packed before its first
+        write]) whose op has returned since: those packed before the last
+        recorded op began, or ``every`` one (backward has begun)."""
+        waiting = []
+        for packed_at, lineage, tensor in self.unwritten:
+            if not every and packed_at >= self.ops_recorded:
+                waiting.append((packed_at, lineage, tensor))
+            elif lineage.entry_id is not None and self.by_entry.get(lineage.entry_id) is lineage \
+                    and at_last_version(lineage, tensor):
+                self._declare(lineage.entry_id, lineage)
+        self.unwritten = waiting
+
+    def _declare(self, entry_id: int, lineage: StorageLineage) -> None:
         # A function-level import costs microseconds per call (the package
         # relative import runs importlib's Python code): bound once.
         closure = _replay_closure or _bind_replay_closure()
         ok, seconds, deps, _, why, held = closure(lineage, len(lineage.mutations), top=True)
-        entry_id = handle.entry_id
-        lineage.entry_id = entry_id
-        self.by_entry[entry_id] = lineage
         # Held inputs whose storage may be freed under the entry (Note [Held
         # inputs freed under us] in csrc/core/residency_entry.h); those held
         # through their entry are managed.

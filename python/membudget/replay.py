@@ -24,7 +24,8 @@ from typing import Dict, FrozenSet, Set, Tuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .lineage import ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, _func_info, storage_address
+from .lineage import (ExternalLineage, Lineage, OpNode, StorageLineage, TensorRef, _func_info, at_last_version,
+                      storage_address)
 
 __all__ = ["RecomputeError", "closure", "rebuild_entry", "rebuild_entry_on_stream", "rescue_dependents_of"]
 
@@ -338,7 +339,7 @@ class _Replayer:
                 if resident is not None:
                     return resident
             alive = source.base()
-            if alive is not None and alive._version == source.versions[-1]:
+            if alive is not None and at_last_version(source, alive):
                 if self.stream is not None:
                     alive.record_stream(self.stream)
                 return alive
