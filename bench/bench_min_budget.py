@@ -15,7 +15,13 @@ plain one (bench/RESULTS.md, "Lead, session 23"):
 * ``mlp``: a plain stack of linear layers with dropout, for reference;
 * ``rnncell``: an ``nn.RNNCell`` (width 256, batch 32) unrolled 128 steps: a
   chain of 128 hidden states, each read by the replay of the next (Note
-  [Dropped ancestors rebuilt in order]; session 25).
+  [Dropped ancestors rebuilt in order]; session 25);
+* ``rrelu``: six ``Linear(256, 256)`` + ``RReLU`` blocks, whose noise is an
+  empty tensor the op it is saved for fills (Note [An empty tensor its first
+  writer fills], Note [Packed before its first write]; session 37);
+* ``gpt2``, ``llama``, ``t5``, ``vit``: transformers models from the tests'
+  small configs (``tests/models.py``, dropout 0.1; not in the default list:
+  each takes minutes to bisect).
 
 Each probe (model, recorder, action, budget) runs 3 seeded training steps in
 a fresh process and reports whether it fitted and whether its losses and
@@ -104,11 +110,30 @@ def _models():
         x, y = inputs
         return nn.functional.cross_entropy(model(x), y)
 
+    def rrelu():
+        layers = []
+        for _ in range(6):
+            layers += [nn.Linear(256, 256), nn.RReLU()]
+        return nn.Sequential(*layers, nn.Linear(256, 10))
+
+    def transformers_model(name):
+        # The tests' workloads: models nobody here wrote.
+        sys.path.insert(0, str(ROOT / "tests"))
+        import models
+
+        workload = getattr(models, name)()
+        return workload.build, workload.batch, workload.loss
+
     return {
-        "functions": (Functions, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
-        "gru": (Gru, lambda: (torch.randint(0, 500, (32, 64)),), lambda m, i: m(i[0]).square().mean()),
-        "mlp": (mlp, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
-        "rnncell": (RnnCell, lambda: (torch.randn(32, 128, 64), torch.randint(0, 10, (32,))), classify),
+        "gpt2": lambda: transformers_model("gpt2"),
+        "llama": lambda: transformers_model("llama"),
+        "t5": lambda: transformers_model("t5"),
+        "vit": lambda: transformers_model("vit"),
+        "rrelu": lambda: (rrelu, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "functions": lambda: (Functions, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "gru": lambda: (Gru, lambda: (torch.randint(0, 500, (32, 64)),), lambda m, i: m(i[0]).square().mean()),
+        "mlp": lambda: (mlp, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "rnncell": lambda: (RnnCell, lambda: (torch.randn(32, 128, 64), torch.randint(0, 10, (32,))), classify),
     }
 
 
@@ -119,7 +144,7 @@ def probe(model: str, action: str, budget: int) -> dict:
     import membudget
     from membudget.harness import parameter_digest
 
-    build, batch, loss_fn = _models()[model]
+    build, batch, loss_fn = _models()[model]()  # each entry builds its workload when asked
     if budget != 0:
         membudget.install(budget=budget if budget > 0 else None, actions=action, min_tensor_bytes=MIN_TENSOR_BYTES)
     torch.manual_seed(0)
