@@ -13,6 +13,8 @@ import membudget
 from membudget._native import load_extension
 from membudget.models import ResidualMLP
 
+from training import ops_recorded
+
 pytestmark = pytest.mark.requires_native
 
 MiB = 1 << 20
@@ -198,8 +200,13 @@ def test_a_backward_that_raises_leaves_no_graph_queued(lineage_recorder, budget,
     gc.collect()
     handles_before = native.live_handles()
     failing = loss()
+    recorded = ops_recorded()
     with pytest.raises(torch.OutOfMemoryError, match="in backward"):
         failing.backward()
+    # The drain's own leaf is not recorded: as the first op after backward
+    # began, it began a forward (the retry's ops numbered from 1, its
+    # out-of-memory flag taken; the review of session 37).
+    assert ops_recorded() == recorded
     del failing
     gc.collect()
     assert markers and markers[0]() is None  # the failed graph is gone
@@ -578,3 +585,35 @@ def test_a_rescue_that_fails_loses_the_activation_with_its_reason(lineage_record
         membudget.uninstall()
     gc.collect()
     assert "Exception in RecordFunction callback" not in capfd.readouterr().err
+
+
+def test_a_forward_that_raises_after_rrelu_keeps_no_noise(lineage_recorder):
+    # Note [Packed before its first write] (lineage.py): RReLU's noise is
+    # packed before rrelu_with_noise fills it, and the Python recorder
+    # declares it once that op has returned. The first version held the
+    # noise tensor until then, so a forward that raised in between (a
+    # forward hook's NaN check) left it allocated: 64 KiB here (the review
+    # of session 37). The noise's replay is checked in test_recompute_cases.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.RReLU(), nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    membudget.install(budget=256 * MiB, actions="both", min_tensor_bytes=0)
+    failing = [False]
+
+    def check(module, inputs, out):
+        if failing[0]:
+            raise ValueError("a NaN check")
+
+    model[1].register_forward_hook(check)
+    model(x).sum().backward()  # what a step leaves allocated (gradients)
+    gc.collect()
+    failing[0] = True
+    before = membudget.memory_stats()["allocated_bytes.all.current"]
+    with pytest.raises(ValueError, match="NaN check"):
+        model(x).sum().backward()
+    gc.collect()
+    left = membudget.memory_stats()["allocated_bytes.all.current"] - before
+    assert left < 64 * 256 * 4, left  # less than the noise
+    failing[0] = False
+    model(x).sum().backward()
+    membudget.uninstall()

@@ -18,7 +18,7 @@ from membudget import _func_transforms, _runtime
 from membudget._native import load_extension
 
 from models import bert, gpt2
-from training import assert_identical, run_managed, run_plain
+from training import assert_identical, ops_recorded, run_managed, run_plain
 
 pytestmark = pytest.mark.requires_native
 
@@ -162,12 +162,6 @@ def test_recompute_only_on_a_started_thread_fits(lineage):
     gc.collect()
 
 
-def _ops_recorded() -> int:
-    """Forward ops the installed recorder has recorded, either recorder."""
-    lineage = _runtime._lineage
-    return lineage.ops_recorded if _runtime._lineage_mode is not None else load_extension().lineage.ops_recorded()
-
-
 class _ForwardCounter:
     """Counts the Python recorder's forwards (the C++ one counts its own)."""
 
@@ -210,9 +204,9 @@ class _OtherThreadOps:
             self.ask.clear()
             if self.stop:
                 return
-            recorded = _ops_recorded()
+            recorded = ops_recorded()
             (torch.ones(64, 64) * 2 + 1).sum()  # grad mode is on: recorded
-            self.recorded += _ops_recorded() - recorded
+            self.recorded += ops_recorded() - recorded
             self.runs += 1
             self.done.set()
 

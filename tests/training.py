@@ -24,6 +24,14 @@ class RunResult:
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def ops_recorded() -> int:
+    """Forward ops the installed recorder has recorded, either recorder."""
+    from membudget import _runtime
+
+    lineage = _runtime._lineage
+    return lineage.ops_recorded if _runtime._lineage_mode is not None else load_extension().lineage.ops_recorded()
+
+
 # One training step of a loop shaped otherwise (tests/test_training_loops.py):
 # step(model, optimizer) runs it whole and returns its loss.
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer], float]

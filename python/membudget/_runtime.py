@@ -716,10 +716,16 @@ def _draining_after_error(function, backward):
 
 
 def _drain_backward_tasks(backward) -> None:
+    # The leaf is made with recording off too: recorded, it was the first op
+    # after backward began, and began a forward the retry's did not.
     try:
-        backward(torch.zeros((), requires_grad=True))
+        _without_lineage_mode(_backward_of_a_throwaway_leaf)(backward)
     except Exception:  # the error being raised is the one to report (inference mode, say)
         pass
+
+
+def _backward_of_a_throwaway_leaf(backward) -> None:
+    backward(torch.zeros((), requires_grad=True))
 
 
 def _wrap_autograd_entry_points() -> None:

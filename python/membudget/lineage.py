@@ -217,9 +217,9 @@ def _prune_made() -> None:
         _made[:read] = [ref for ref in _made[:read] if ref() is not None]
 
 
-def at_last_version(lineage: StorageLineage, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is at the version its lineage's last recorded write
-    left it at.
+def at_last_version(lineage: StorageLineage, version: int) -> bool:
+    """Whether a tensor of ``lineage`` whose version counter reads
+    ``version`` is at the version the last recorded write left it at.
 
     Note [Writes that bump no version]: the mode runs below autograd's
     ADInplaceOrView kernel, which bumps a written tensor's version counter
@@ -231,7 +231,6 @@ def at_last_version(lineage: StorageLineage, tensor: torch.Tensor) -> bool:
     lowers it), so the version after the write is that one. Without it the
     noise read as written where nothing records, and was swap-only. The C++
     recorder reads the version once the op has returned."""
-    version = tensor._version
     last = lineage.versions[-1]
     if version == last:
         lineage.unbumped = None
@@ -499,7 +498,7 @@ class Lineage:
         # ``externals`` (Note [Every held input released]).
         self.held_inputs: "weakref.WeakSet[ExternalLineage]" = weakref.WeakSet()
         self.ops_recorded = 0
-        # (ops recorded when packed, lineage, tensor) of entries packed
+        # (ops recorded when packed, lineage, weak handle) of entries packed
         # before their first write (Note [Packed before its first write]).
         self.unwritten: List[tuple] = []
         # The thread that packed last: the one training (Note [Recording on
@@ -611,7 +610,7 @@ class Lineage:
         lineage = lineage_of(tensor)
         if lineage is not None:
             if lineage.generation == _generation and (tensor._version == lineage.versions[-1]
-                                                      or at_last_version(lineage, tensor)):
+                                                      or at_last_version(lineage, tensor._version)):
                 try:
                     return _new_ref(lineage, len(lineage.mutations), tensor, scratch)
                 except RuntimeError:
@@ -887,7 +886,7 @@ class Lineage:
         base = lineage.base()
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
             return  # set_() or similar moved the tensor to another storage
-        if not at_last_version(lineage, tensor):
+        if not at_last_version(lineage, tensor._version):
             return  # written by something lineage did not see
         entry_id = handle.entry_id
         lineage.entry_id = entry_id
@@ -899,8 +898,13 @@ class Lineage:
             # first writer fills] in csrc/torch/lineage_replay.cpp).
             # Declared now it could only be swapped: nothing recorded its
             # contents yet. It is declared once that op has returned; until
-            # then the manager holds it as not recomputable.
-            self.unwritten.append((self.ops_recorded, lineage, tensor))
+            # then, or if a pack on another thread replaces the list as it
+            # is appended to, the manager holds it as not recomputable
+            # (swap-only, as before).
+            # The handle, weakly, reads the version then: the tensor may be
+            # gone (rrelu's noise is a temporary of torch.rrelu), and held it
+            # stayed allocated after a forward that raised before then.
+            self.unwritten.append((self.ops_recorded, lineage, weakref.ref(handle)))
             return
         self._declare(entry_id, lineage)
 
@@ -909,12 +913,14 @@ class Lineage:
         write]) whose op has returned since: those packed before the last
         recorded op began, or ``every`` one (backward has begun)."""
         waiting = []
-        for packed_at, lineage, tensor in self.unwritten:
+        for packed_at, lineage, handle_ref in self.unwritten:
             if not every and packed_at >= self.ops_recorded:
-                waiting.append((packed_at, lineage, tensor))
-            elif lineage.entry_id is not None and self.by_entry.get(lineage.entry_id) is lineage \
-                    and at_last_version(lineage, tensor):
-                self._declare(lineage.entry_id, lineage)
+                waiting.append((packed_at, lineage, handle_ref))
+                continue
+            handle = handle_ref()  # None: the entry is gone
+            if handle is not None and self.by_entry.get(handle.entry_id) is lineage \
+                    and at_last_version(lineage, handle.version):
+                self._declare(handle.entry_id, lineage)
         self.unwritten = waiting
 
     def _declare(self, entry_id: int, lineage: StorageLineage) -> None:

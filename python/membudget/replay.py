@@ -339,7 +339,7 @@ class _Replayer:
                 if resident is not None:
                     return resident
             alive = source.base()
-            if alive is not None and at_last_version(source, alive):
+            if alive is not None and at_last_version(source, alive._version):
                 if self.stream is not None:
                     alive.record_stream(self.stream)
                 return alive
