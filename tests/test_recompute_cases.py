@@ -795,6 +795,40 @@ def test_an_empty_tensor_its_first_writer_fills_is_replayed(lineage_recorder):
     assert recomputable == [True] + [True, True, True] * 2 + [True], str(recomputable)
 
 
+def test_a_write_after_one_that_bumps_no_version_is_seen(lineage_recorder):
+    # Note [Writes that bump no version] (lineage.py): rrelu_with_noise
+    # writes its noise without bumping its counter, and the Python recorder
+    # takes such a write as leaving the version it found. A write under
+    # no_grad after it bumped the counter to the version the recorded write
+    # had been taken to leave, so the noise read as rrelu's own, and a
+    # dropped product of it replayed the noise without the write: wrong
+    # gradients, silently.
+    def run(evict):
+        torch.manual_seed(0)
+        w = torch.randn(64, 64, requires_grad=True)
+        x = torch.randn(64, 64)
+        noise = torch.empty_like(x)
+        y = torch.ops.aten.rrelu_with_noise(x, noise, training=True)
+        with torch.no_grad():
+            noise.mul_(2)
+        loss = (y * noise * w).sum()  # saves y * noise, whose replay reads the noise
+        del y, noise  # nothing alive to read instead: a replay rebuilds them
+        if evict:
+            _evict_everything()
+        loss.backward()
+        return w.grad
+
+    plain = run(False)
+    membudget.install(budget="256MiB", actions="recompute", min_tensor_bytes=0)
+    try:
+        managed = run(True)
+        recomputes = membudget.memory_stats()["recompute_count"]
+    finally:
+        membudget.uninstall()
+    assert torch.equal(plain, managed)
+    assert recomputes > 0
+
+
 class _Gru(nn.Module):
     # On the CPU a GRU runs as per-step cells that split their gates with
     # unsafe_chunk (outputs sharing one storage, each with its own version

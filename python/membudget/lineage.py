@@ -230,7 +230,15 @@ def at_last_version(lineage: StorageLineage, version: int) -> bool:
     meanwhile (every write the recorder misses bumps the counter, never
     lowers it), so the version after the write is that one. Without it the
     noise read as written where nothing records, and was swap-only. The C++
-    recorder reads the version once the op has returned."""
+    recorder reads the version once the op has returned.
+
+    Only writes of ops without an ADInplaceOrView kernel are left open so
+    (``_FuncInfo.bumps``), and the next write the mode sees settles it
+    before it runs (``rescue_before_writes``): a write under ``no_grad``
+    after ``rrelu_with_noise``'s would otherwise bump the counter to what
+    the recorded write was taken to leave, and a replay rebuilt the noise
+    without it (wrong gradients, silently, in a probe that called the op
+    with a noise of its own)."""
     last = lineage.versions[-1]
     if version == last:
         lineage.unbumped = None
@@ -240,6 +248,14 @@ def at_last_version(lineage: StorageLineage, version: int) -> bool:
         lineage.unbumped = None
         return True
     return False
+
+
+def _has_inplace_or_view_kernel(schema) -> bool:
+    name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "ADInplaceOrView")
+    except (AttributeError, RuntimeError):  # not registered with the dispatcher (a Python-only op)
+        return False
 
 
 def _version_of(tensor: torch.Tensor) -> int:
@@ -366,7 +382,7 @@ class _FuncInfo:
     """What the schema says about an op, computed once per overload."""
 
     __slots__ = ("aliases", "writes", "scratch", "scratch_positions", "random", "replayable", "recorded", "simple",
-                 "func", "op", "tensor_args", "view", "undefined_contents", "undeclared_aliases")
+                 "func", "op", "tensor_args", "view", "undefined_contents", "undeclared_aliases", "bumps")
 
     def __init__(self, func):
         schema = func._schema
@@ -415,6 +431,11 @@ class _FuncInfo:
         # those are replayed only on their own lineage (as mutations).
         self.replayable = namespace in _REPLAYABLE_NAMESPACES and len(unreplayable_writes) <= 1
         self.undefined_contents = schema.name in _EMPTY_OPS
+        # Whether its writes bump their tensors' version counters for sure:
+        # an ADInplaceOrView kernel does, above this mode (Note [Writes that
+        # bump no version]). Without one (rrelu_with_noise) autograd's kernel
+        # may bump them (the foreach ops) or nothing may.
+        self.bumps = bool(self.writes) and _has_inplace_or_view_kernel(schema)
         # Several outputs and no alias declared for any: they may still share
         # one storage (unsafe_chunk; Note [One history per storage]).
         several = len(schema.returns) > 1 or (len(schema.returns) == 1 and str(schema.returns[0].type) != "Tensor")
@@ -711,8 +732,10 @@ class Lineage:
     def rescue_before_writes(self, info: _FuncInfo, args, kwargs) -> None:
         """``info``'s op is about to write its arguments in place: what reads
         a written tensor that no recorded op produced (a held input) is
-        rescued first (Note [Rescue before the write]). Called for recorded
-        ops, and for unrecorded ones (grad off) while entries live (Note
+        rescued first (Note [Rescue before the write]), and a tensor of a
+        lineage whose last recorded write may not have bumped its counter
+        has that settled (Note [Writes that bump no version]). Called for
+        recorded ops, and for unrecorded ones (grad off) outside backward (Note
         [Written where nothing records] in csrc/torch/lineage_recorder.cpp:
         ``with torch.no_grad(): p.data.mul_(0.5)`` between forward and
         backward replayed dropped activations with the new weight,
@@ -723,8 +746,16 @@ class Lineage:
             if name in info.scratch:
                 continue
             target = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(target, torch.Tensor) and lineage_of(target) is None:
-                self._rescue_before_write(target)
+            if isinstance(target, torch.Tensor):
+                lineage = lineage_of(target)
+                if lineage is None:
+                    if self.by_entry:
+                        self._rescue_before_write(target)
+                elif lineage.unbumped is not None:
+                    # Note [Writes that bump no version]: whether the last
+                    # recorded write bumped is settled before this one moves
+                    # the counter, or the two would read as the recorded one.
+                    at_last_version(lineage, target._version)
 
     def _rescue_before_write(self, target: torch.Tensor) -> None:
         # Note [Rescue before the write]: a write to a tensor lineage did not
@@ -752,7 +783,7 @@ class Lineage:
                 continue
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, torch.Tensor):
-                self._record_write(node, target)
+                self._record_write(node, info, target)
         # One entry per return: a tuple for several returns, the list itself
         # for one Tensor[] return. `index` numbers tensors as the replay's
         # run() returns them (the tuple's or the list's positions).
@@ -801,14 +832,16 @@ class Lineage:
             if isinstance(item, torch.Tensor) and item is not sources[0] and lineage is not None:
                 _attach(item, lineage)
 
-    def _record_write(self, node: OpNode, target: torch.Tensor) -> None:
+    def _record_write(self, node: OpNode, info: _FuncInfo, target: torch.Tensor) -> None:
         lineage = lineage_of(target)
         if lineage is not None:
             lineage.mutations.append(node)
             # Autograd's ADInplaceOrView kernel, above this mode, bumps the
-            # version once the op returns: the version after it is one more.
+            # version once the op returns: the version after it is one more,
+            # unless the op has no such kernel (Note [Writes that bump no
+            # version]).
             lineage.versions.append(target._version + 1)
-            lineage.unbumped = target._version  # Note [Writes that bump no version]
+            lineage.unbumped = None if info.bumps else target._version
             lineage.memo.clear()
             if self.whole_of:
                 # Note [Writes behind a counter]: unsafe_chunk's outputs share
@@ -1042,7 +1075,7 @@ def _lineage_dispatch(self, func, types, args=(), kwargs=None):
     # off in a custom Function's forward, which is recorded all the same
     # (Note [Custom Function forwards] in csrc/torch/function_forwards.cpp).
     if not info.recorded or _graph_task_id() != -1 or not (_grad_enabled() or _in_function_forward()):
-        if info.writes and self.lineage.by_entry and _graph_task_id() == -1:
+        if info.writes and _graph_task_id() == -1:
             self.lineage.rescue_before_writes(info, args, kwargs)
         return info.op(*args, **kwargs)
     for kind in types:  # tensor subclasses (fake, functional, user wrappers): not ours
