@@ -59,19 +59,28 @@ TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
-def _train(tmp_path: Path, *prefix: str, budget: str = "", checkpointing: bool = False) -> dict:
+def _train(tmp_path: Path, *prefix: str, budget: str = "", checkpointing: bool = False, log: str = "") -> dict:
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
     env = {key: value for key, value in os.environ.items() if not key.startswith("MEMBUDGET_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
     if budget:
         env["MEMBUDGET_BUDGET"] = budget
+    if log:
+        env["MEMBUDGET_LOG"] = log
     script_args = [str(tmp_path / "out")] + (["checkpointing"] if checkpointing else [])
     proc = subprocess.run([sys.executable, *prefix, str(script), *script_args], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [row for row in proc.stdout.splitlines() if row.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT "):])
+    result["log"] = proc.stderr if log else ""
+    return result
+
+
+def _evictions(result: dict) -> str:
+    """What the run evicted, and why, for a failure's message."""
+    return "\n".join(row for row in result["log"].splitlines() if " evict " in row or "recompute" in row)
 
 
 def test_unmodified_trainer_script_under_membudget_run_is_exact(tmp_path):
@@ -82,10 +91,13 @@ def test_unmodified_trainer_script_under_membudget_run_is_exact(tmp_path):
     assert (unbudgeted["losses"], unbudgeted["params"]) == (plain["losses"], plain["params"])
 
     budget = int(unbudgeted["stats"]["reserved_bytes.all.peak"] * 0.45)
-    managed = _train(tmp_path, "-m", "membudget", "run", budget=str(budget))
-    assert managed["losses"] == plain["losses"]
-    assert managed["eval_losses"] == plain["eval_losses"]
-    assert managed["params"] == plain["params"]
+    # Its evictions are logged: a full run once ended with other parameters
+    # than plain's (the same logged losses) and could not be reproduced in
+    # 32 reruns (bench/RESULTS.md, session 37); the choices follow timings.
+    managed = _train(tmp_path, "-m", "membudget", "run", budget=str(budget), log="decisions,evictions")
+    assert managed["losses"] == plain["losses"], _evictions(managed)
+    assert managed["eval_losses"] == plain["eval_losses"], _evictions(managed)
+    assert managed["params"] == plain["params"], _evictions(managed)
     stats = managed["stats"]
     assert stats["budget_bytes"] == budget
     assert stats["reserved_bytes.all.peak"] <= budget
