@@ -178,7 +178,8 @@ class _Tagged(torch.autograd.Function):
         return grad, None
 
 
-@pytest.mark.parametrize("budget, actions", [(256 * MiB, "both"), (256 * MiB, "recompute")])
+@pytest.mark.parametrize("budget, actions", [(None, "swap"), (256 * MiB, "swap"), (256 * MiB, "both"),
+                                             (256 * MiB, "recompute")])
 def test_a_backward_that_raises_leaves_no_graph_queued(lineage_recorder, budget, actions):
     # Note [Backward tasks an error left queued] (_runtime.py): two branches
     # meet at the loss, so when one raises in backward the other's node is

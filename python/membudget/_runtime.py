@@ -480,11 +480,10 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     if not recording:
         native.set_recompute_callback(None)
         _push_saved_tensor_hooks(native.pack, native.unpack)
-        # Not wrapped here (Note [Backward tasks an error left queued] not
-        # applied): with the entry points wrapped in swap-only installs, the
-        # Trainer test's swap-only runs ended with other parameters than
-        # plain's in 2 of 45 runs, against 0 of 45 unwrapped and 0 of 45 at
-        # bfb5c40 (bench/RESULTS.md, session 37). The cause is not found.
+        # Note [Backward tasks an error left queued]. (Withdrawn here in
+        # session 37 for a parameter mismatch that plain PyTorch shows too:
+        # bench/RESULTS.md, session 38.)
+        _wrap_autograd_entry_points()
         return
     from .lineage import Lineage, LineageMode, hide_from_dynamo, track_function_forwards
     from .replay import rebuild_entry, rebuild_entry_on_stream
