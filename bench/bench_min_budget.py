@@ -170,6 +170,9 @@ def probe(model: str, action: str, budget: int) -> dict:
 
 def _spawn(model: str, recorder: str, action: str, budget: int) -> dict:
     env = dict(os.environ, MEMBUDGET_LINEAGE=recorder, PYTHONPATH=str(ROOT / "python"))
+    # Probes are compared across processes: with two threads plain PyTorch's
+    # tanh (GPT-2's GELU) differs between processes (bench/RESULTS.md, session 38).
+    env.setdefault("OMP_NUM_THREADS", "1")
     out = subprocess.run([sys.executable, __file__, "--probe", model, action, str(budget)], env=env,
                          capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
