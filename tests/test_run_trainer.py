@@ -63,10 +63,11 @@ def _train(tmp_path: Path, *prefix: str, budget: str = "", checkpointing: bool =
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
     env = {key: value for key, value in os.environ.items() if not key.startswith("MEMBUDGET_")}
-    # Note [One intra-op thread for runs compared across processes]: with
-    # torch's two threads here, plain PyTorch itself gave other gradients
-    # from the first backward on in about 1 process of 20 (GPT-2's tanh GELU,
-    # MKL's vectorised tanh); with one thread, 80 of 80 processes agreed.
+    # One intra-op thread for every process compared: with torch's two
+    # threads here, plain PyTorch itself gave other gradients from the first
+    # backward on in about 1 process of 20 (aten.tanh of GPT-2's tanh GELU,
+    # which MKL_CBWR=AVX2 also steadies); with one thread, 80 of 80 processes
+    # agreed (bench/RESULTS.md, session 38).
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), os.environ.get("PYTHONPATH")]))
     if budget:
