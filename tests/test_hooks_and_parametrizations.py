@@ -1,0 +1,163 @@
+"""Models that reach autograd through more than plain modules: full backward
+hooks on blocks (torch wraps each block's inputs and outputs in a
+BackwardHookFunction), a hook on an activation that rescales its gradient,
+weight-normed layers (parametrizations recompute the weight in every
+forward), multi-head attention with a causal mask and its weights returned,
+and blocks under the reentrant ``torch.utils.checkpoint``. Under a budget
+that forces eviction each trains as plain PyTorch does, bit for bit, within
+the budget, under each lineage recorder; where the model's own structure
+leaves nothing to replay (the reentrant checkpoint rebuilds its blocks
+inside backward, where nothing records), recompute-only says so in its
+out-of-memory error."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from training import assert_identical, run_managed, run_plain
+
+pytestmark = [pytest.mark.requires_native, pytest.mark.usefixtures("lineage_recorder")]
+
+STEPS = 3
+MIN_TENSOR_BYTES = 4096
+ROWS, WIDTH = 2048, 256
+
+
+class BlocksWithBackwardHooks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(4))
+        for block in self.blocks:
+            block.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class RescaledGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        hidden = F.silu(self.a(x))
+        hidden.register_hook(lambda grad: grad * 0.5)
+        return self.c(F.silu(self.b(hidden)))
+
+
+class WeightNormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, WIDTH)) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return x
+
+
+class CausalAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.ModuleList(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True) for _ in range(3))
+        self.norms = nn.ModuleList(nn.LayerNorm(64) for _ in range(3))
+
+    def forward(self, x):
+        x = x[:256].reshape(16, 64, 64)
+        mask = torch.triu(torch.ones(64, 64, dtype=torch.bool), 1)
+        for attention, norm in zip(self.attention, self.norms):
+            normed = norm(x)
+            out, weights = attention(normed, normed, normed, attn_mask=mask, need_weights=True)
+            x = x + out + weights.mean()
+        return x
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=True)
+        return x
+
+
+def _batch():
+    # The reentrant checkpoint computes no gradient unless an input needs one.
+    return (torch.randn(ROWS, WIDTH).requires_grad_(),)
+
+
+def _loss(model, inputs):
+    return model(inputs[0]).square().mean()
+
+
+# (model, share of the unbudgeted peak): the attention and weight-norm
+# models' peaks are mostly activations; the others keep more that no
+# eviction releases (gradients of large intermediates in backward).
+CASES = {
+    "full_backward_hooks": (BlocksWithBackwardHooks, 0.5),
+    "rescaled_gradient": (RescaledGradient, 0.7),
+    "weight_norm": (WeightNormed, 0.5),
+    "causal_attention": (CausalAttention, 0.5),
+    "reentrant_checkpoint": (ReentrantCheckpoint, 0.7),
+}
+
+
+def _budget(build, share: float) -> int:
+    unbudgeted = run_managed(build, _batch, _loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
+    return int(unbudgeted.stats["reserved_bytes.all.peak"] * share)
+
+
+@pytest.mark.parametrize("actions", ["recompute", "both"])
+@pytest.mark.parametrize("case", [name for name in CASES if name != "reentrant_checkpoint"])
+def test_hooked_and_parametrized_models_train_exactly_under_a_budget(case, actions):
+    build, share = CASES[case]
+    reference = run_plain(build, _batch, _loss, STEPS)
+    budget = _budget(build, share)
+    managed = run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
+                          actions=actions)
+    assert_identical(reference, managed)
+    stats = managed.stats
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["num_ooms"] == 0
+    if actions == "recompute":
+        assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
+    else:
+        assert stats["recompute_count"] + stats["swap_out_count"] > 0
+
+
+@pytest.mark.parametrize("actions", ["swap", "both"])
+def test_reentrant_checkpoint_trains_exactly_under_a_budget(actions):
+    build, share = CASES["reentrant_checkpoint"]
+    reference = run_plain(build, _batch, _loss, STEPS)
+    budget = _budget(build, share)
+    managed = run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
+                          actions=actions)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["swap_out_count"] > 0
+
+
+def test_reentrant_checkpoint_recompute_only_says_what_it_cannot_replay():
+    # What the checkpoint saves is made inside its Function's forward under
+    # no_grad and rebuilt inside backward: no lineage reaches it, and at 70%
+    # of the peak recompute-only cannot release it.
+    import membudget
+
+    build, share = CASES["reentrant_checkpoint"]
+    budget = _budget(build, share)
+    with pytest.raises(torch.OutOfMemoryError, match="not recomputable.*no lineage reached it"):
+        try:
+            run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
+                        actions="recompute")
+        finally:
+            if membudget.is_installed():
+                membudget.uninstall()
