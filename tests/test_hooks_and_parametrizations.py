@@ -176,6 +176,9 @@ def _two_graphs_backward_in_reverse(model, optimizer) -> float:
 # large intermediates in backward). A Function's in-place output and the
 # LSTM's gates are swap-only (no lineage reaches the first; the gates'
 # storage has several histories), so recompute-only is not asked of them.
+# The Function's model at 0.6 ran out of memory in the full suite (its
+# unbudgeted peak there 29.0 MiB against 30.9 alone; 4 MiB asked, 3.5 MiB
+# free in cache): 0.75.
 CASES = {
     "full_backward_hooks": (BlocksWithBackwardHooks, 0.5, ("recompute", "both"), None),
     "rescaled_gradient": (RescaledGradient, 0.7, ("recompute", "both"), None),
@@ -183,7 +186,7 @@ CASES = {
     "causal_attention": (CausalAttention, 0.5, ("recompute", "both"), None),
     "shared_block": (SharedBlock, 0.6, ("recompute", "both"), None),
     "two_graphs_in_reverse": (RescaledGradient, 0.6, ("recompute", "both"), _two_graphs_backward_in_reverse),
-    "dirtied_by_a_function": (DirtiedByAFunction, 0.6, ("both",), None),
+    "dirtied_by_a_function": (DirtiedByAFunction, 0.75, ("both",), None),
     "packed_lstm": (PackedLSTM, 0.6, ("both",), None),
     "reentrant_checkpoint": (ReentrantCheckpoint, 0.7, ("swap", "both"), None),
 }
