@@ -176,19 +176,19 @@ def _two_graphs_backward_in_reverse(model, optimizer) -> float:
 # large intermediates in backward). A Function's in-place output and the
 # LSTM's gates are swap-only (no lineage reaches the first; the gates'
 # storage has several histories), so recompute-only is not asked of them.
-# The Function's model at 0.6 ran out of memory in the full suite (its
-# unbudgeted peak there 29.0 MiB against 30.9 alone; 4 MiB asked, 3.5 MiB
-# free in cache): 0.75.
+# Each share lies at least 0.1 above one that fitted alone: the Function's
+# model at 0.6 (0.05 above its last fit) ran out of memory in the full
+# suite, where its unbudgeted peak came out 29.0 MiB against 30.9 alone.
 CASES = {
-    "full_backward_hooks": (BlocksWithBackwardHooks, 0.5, ("recompute", "both"), None),
+    "full_backward_hooks": (BlocksWithBackwardHooks, 0.6, ("recompute", "both"), None),
     "rescaled_gradient": (RescaledGradient, 0.7, ("recompute", "both"), None),
-    "weight_norm": (WeightNormed, 0.5, ("recompute", "both"), None),
+    "weight_norm": (WeightNormed, 0.6, ("recompute", "both"), None),
     "causal_attention": (CausalAttention, 0.5, ("recompute", "both"), None),
     "shared_block": (SharedBlock, 0.6, ("recompute", "both"), None),
     "two_graphs_in_reverse": (RescaledGradient, 0.6, ("recompute", "both"), _two_graphs_backward_in_reverse),
     "dirtied_by_a_function": (DirtiedByAFunction, 0.75, ("both",), None),
     "packed_lstm": (PackedLSTM, 0.6, ("both",), None),
-    "reentrant_checkpoint": (ReentrantCheckpoint, 0.7, ("swap", "both"), None),
+    "reentrant_checkpoint": (ReentrantCheckpoint, 0.8, ("swap", "both"), None),
 }
 
 
@@ -219,12 +219,13 @@ def test_hooked_and_parametrized_models_train_exactly_under_a_budget(case, actio
 
 def test_reentrant_checkpoint_recompute_only_says_what_it_cannot_replay():
     # What the checkpoint saves is made inside its Function's forward under
-    # no_grad and rebuilt inside backward: no lineage reaches it, and at 70%
-    # of the peak recompute-only cannot release it.
+    # no_grad and rebuilt inside backward: no lineage reaches it, and at 60%
+    # of the peak recompute-only cannot release it (it fitted at 80%; at 70%
+    # it ran out of memory so too).
     import membudget
 
-    build, share, _, _ = CASES["reentrant_checkpoint"]
-    budget = _budget(build, share)
+    build = CASES["reentrant_checkpoint"][0]
+    budget = _budget(build, 0.6)
     with pytest.raises(torch.OutOfMemoryError, match="not recomputable.*no lineage reached it"):
         try:
             run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
