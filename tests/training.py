@@ -110,6 +110,16 @@ def assert_identical(reference: RunResult, managed: RunResult) -> None:
         assert torch.equal(value, managed.buffers[name]), f"buffer {name} differs"
 
 
+def assert_budget_kept(stats: Dict[str, float], budget: int, actions: str) -> None:
+    """A budgeted run's counters: its peak within the budget, no
+    out-of-memory error, and a recompute-only run that replayed and never
+    swapped."""
+    assert stats["reserved_bytes.all.peak"] <= budget
+    assert stats["num_ooms"] == 0
+    if actions == "recompute":
+        assert stats["recompute_count"] > 0 and stats["swap_out_bytes"] == 0
+
+
 def reference_and_half_peak(work, steps: int, min_tensor_bytes: int):
     """The plain run of ``work`` and half the peak reserved by an unbudgeted
     managed run (a budget that forces eviction): the start of most tests
