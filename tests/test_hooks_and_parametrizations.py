@@ -27,12 +27,14 @@ MIN_TENSOR_BYTES = 4096
 ROWS, WIDTH = 2048, 256
 
 
+def _mlp_block(activation: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), activation, nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
+
+
 class BlocksWithBackwardHooks(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
-            for _ in range(4))
+        self.blocks = nn.ModuleList(_mlp_block(nn.GELU()) for _ in range(4))
         for block in self.blocks:
             block.register_full_backward_hook(lambda module, grad_input, grad_output: None)
 
@@ -83,9 +85,7 @@ class CausalAttention(nn.Module):
 class ReentrantCheckpoint(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
-            for _ in range(4))
+        self.blocks = nn.ModuleList(_mlp_block(nn.ReLU()) for _ in range(4))
 
     def forward(self, x):
         for block in self.blocks:
@@ -99,7 +99,7 @@ class SharedBlock(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.block = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * WIDTH, WIDTH))
+        self.block = _mlp_block(nn.GELU())
         self.norm = nn.LayerNorm(WIDTH)
 
     def forward(self, x):
@@ -218,15 +218,10 @@ def test_reentrant_checkpoint_recompute_only_says_what_it_cannot_replay():
     # What the checkpoint saves is made inside its Function's forward under
     # no_grad and rebuilt inside backward: no lineage reaches it, and at 60%
     # of the peak recompute-only cannot release it (it fitted at 80%; at 70%
-    # it ran out of memory so too).
-    import membudget
-
+    # it ran out of memory so too). conftest's membudget_clean_state
+    # uninstalls what the failed run left installed.
     build = CASES["reentrant_checkpoint"][0]
     budget = _budget(build, 0.6)
     with pytest.raises(torch.OutOfMemoryError, match="not recomputable.*no lineage reached it"):
-        try:
-            run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
-                        actions="recompute")
-        finally:
-            if membudget.is_installed():
-                membudget.uninstall()
+        run_managed(build, _batch, _loss, STEPS, budget=budget, min_tensor_bytes=MIN_TENSOR_BYTES,
+                    actions="recompute")

@@ -480,10 +480,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
     if not recording:
         native.set_recompute_callback(None)
         _push_saved_tensor_hooks(native.pack, native.unpack)
-        # Note [Backward tasks an error left queued]. (Withdrawn here in
-        # session 37 for a parameter mismatch that plain PyTorch shows too:
-        # bench/RESULTS.md, session 38.)
-        _wrap_autograd_entry_points()
+        _wrap_autograd_entry_points()  # Note [Backward tasks an error left queued]
         return
     from .lineage import Lineage, LineageMode, hide_from_dynamo, track_function_forwards
     from .replay import rebuild_entry, rebuild_entry_on_stream
