@@ -705,6 +705,60 @@ def test_custom_function_forwards_are_recorded_and_replayed():
     assert stats["swap_out_bytes"] == 0
 
 
+class _TanhSavedByItsForward(torch.autograd.Function):
+    """Saves a tensor its forward computes. Its name, like
+    "CompiledFunction", is 16 to 23 characters: the record of its apply
+    keeps it in a heap block of the size that name's was (Note [Record names
+    are not keys] in csrc/torch/function_forwards.cpp)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.tanh()
+        ctx.save_for_backward(y)
+        return y * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * 2 * (1 - y * y)
+
+
+class CompiledFunction(torch.autograd.Function):
+    """Named as AOTAutograd names the Function that runs a compiled graph:
+    its record opens a compiled region, whose ops are not recorded (Note
+    [Compiled regions are not recorded])."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_function_called_after_a_compiled_region_is_recorded(lineage_recorder):
+    # Note [Record names are not keys]: whether a record opened a compiled
+    # region was cached by the address of its name, and the heap string that
+    # named a CompiledFunction record was often the next Function's name:
+    # that Function's forward then went unrecorded, and what it saved was
+    # swap-only (in 9 calls of 100 under the Python recorder, 26 under the C++
+    # one, on the build before).
+    membudget.install(budget="4GiB", min_tensor_bytes=0, actions="both")
+    native = load_extension()
+    x = torch.randn(48, 96, requires_grad=True)
+    saved_bytes = 48 * 96 * 4
+    unrecorded = 0
+    for _ in range(100):
+        region_out = CompiledFunction.apply(x)  # its record's name is freed as it closes
+        y = _TanhSavedByItsForward.apply(x)
+        saved = [e for e in native.entries() if e["bytes"] == saved_bytes]
+        assert len(saved) == 1, saved
+        unrecorded += not saved[0]["recomputable"]
+        (region_out.sum() + y.sum()).backward()
+    assert unrecorded == 0
+
+
 class _FilledBehindTheDispatcher(torch.autograd.Function):
     """Stands for an extension kernel: its output is allocated through
     aten::empty and written through a raw pointer (numpy here), which no

@@ -32,6 +32,30 @@ def ops_recorded() -> int:
     return lineage.ops_recorded if _runtime._lineage_mode is not None else load_extension().lineage.ops_recorded()
 
 
+def entry_holders() -> str:
+    """Who holds the live managed entries, for an assertion's message: the
+    Python recorder's held inputs reached through an entry, its pending
+    declarations, and the tracked objects referring to a handle."""
+    from membudget import _runtime
+
+    native = load_extension()
+    lines = [f"live entries {sorted(native.live_entry_ids())}, saved for backward "
+             f"{native.any_entry_saved_for_backward()}"]
+    lineage = _runtime._lineage
+    if _runtime._lineage_mode is not None and lineage is not None:
+        through = [held.handle.entry_id for held in list(lineage.held_inputs) if held.handle is not None]
+        lines.append(f"python recorder: held through entries {through}, unwritten {len(lineage.unwritten)}, "
+                     f"in_backward {lineage.in_backward}, op_index {lineage.op_index}")
+    for obj in gc.get_objects():
+        if type(obj) in (list, tuple, dict):
+            values = obj.values() if type(obj) is dict else obj
+            for value in list(values):
+                if type(value).__name__ == "SavedActivation":
+                    owners = [type(o).__name__ for o in gc.get_referrers(obj)][:6]
+                    lines.append(f"{value!r} (entry {value.entry_id}) in a {type(obj).__name__} held by {owners}")
+    return "\n".join(lines)
+
+
 # One training step of a loop shaped otherwise (tests/test_training_loops.py):
 # step(model, optimizer) runs it whole and returns its loss.
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer], float]

@@ -24,9 +24,9 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <cstring>
 #include <optional>
-#include <string_view>
-#include <unordered_map>
+#include <unordered_set>
 
 namespace membudget {
 namespace lineage {
@@ -37,23 +37,35 @@ thread_local int t_compiled_regions = 0;
 // The Python recorder's callback on this thread (track_function_forwards).
 thread_local std::optional<at::CallbackHandle> t_tracker;
 
-// decide(fn), remembered by the address of the record's name (stable: an
-// operator's schema name, or a Function class's tp_name) in `cache`.
-template <typename Decide>
-bool by_name(const at::RecordFunction& fn, std::unordered_map<const void*, bool>& cache, Decide decide) {
-  const void* key = fn.name();
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const bool answer = decide(fn);
-  cache.emplace(key, answer);
-  return answer;
-}
-
-// Whether a record names an operator. Asking the record itself builds an
-// OperatorName, two string copies per op.
+// Note [Record names are not keys]: an operator's record names it with its
+// schema's name, a string that lives as long as the operator's registration,
+// so its address can key a cache (lineage_ops.cpp's lookup_info does). Any
+// other record -- a custom Function's apply, a profiler label -- keeps its
+// name in a std::string inside the record: on the stack for a short name,
+// on the heap for a longer one, freed when the record closes and handed to
+// the next record's name. Both answers below were cached by that address.
+// The heap string of a "CompiledFunction" record (16 characters) was often
+// the next Function's name when that name was 16 to 23 characters long:
+// that Function's forward then counted as a compiled region and went
+// unrecorded, what it saved was swap-only (9 and 26 calls in 100 under the
+// Python and C++ recorders, tests/test_recompute_cases.py), and its output
+// read later was held as an input, with its entry: a failed backward then
+// left that entry alive (2 runs in 400 of a probe of
+// test_a_backward_that_raises_leaves_no_graph_queued, the CI failure of
+// session 38). The reverse, a compiled region taken for an ordinary
+// Function and recorded, is the likely cause of a test of compiled writes
+// that once replayed nothing in a full suite. Which address came back
+// depended on the whole process's history. Now only "is an operator" is
+// cached (schema names do not move); non-operator records, one per
+// Function call, are asked each time.
 bool names_an_operator(const at::RecordFunction& fn) {
-  thread_local std::unordered_map<const void*, bool> cache;
-  return by_name(fn, cache, [](const at::RecordFunction& f) { return f.operator_name().has_value(); });
+  thread_local std::unordered_set<const void*> operators;
+  const void* key = fn.name();
+  if (operators.count(key) != 0) return true;
+  // Two string copies; once per operator, and per non-operator record.
+  if (!fn.operator_name().has_value()) return false;
+  operators.insert(key);
+  return true;
 }
 
 // Something non-null for the records that opened a forward: what the end
@@ -96,8 +108,7 @@ bool starts_function_forward(const at::RecordFunction& fn) {
 // Planned recomputation inside compiled graphs is the Echo planner's
 // compile_backend.
 bool is_compiled_region(const at::RecordFunction& fn) {
-  thread_local std::unordered_map<const void*, bool> cache;
-  return by_name(fn, cache, [](const at::RecordFunction& f) { return std::string_view(f.name()) == "CompiledFunction"; });
+  return std::strcmp(fn.name(), "CompiledFunction") == 0;  // Note [Record names are not keys]
 }
 
 void enter_function_forward(bool compiled) {
