@@ -52,17 +52,14 @@ thread_local std::optional<at::CallbackHandle> t_tracker;
 // read later was held as an input, with its entry: a failed backward then
 // left that entry alive (2 runs in 400 of a probe of
 // test_a_backward_that_raises_leaves_no_graph_queued, the CI failure of
-// session 38). The reverse, a compiled region taken for an ordinary
-// Function and recorded, is the likely cause of a test of compiled writes
-// that once replayed nothing in a full suite. Which address came back
-// depended on the whole process's history. Now only "is an operator" is
-// cached (schema names do not move); non-operator records, one per
-// Function call, are asked each time.
+// session 38). Which address came back depended on the whole process's
+// history. Now only "is an operator" is cached (schema names do not move);
+// non-operator records, one per Function call, are asked each time.
 bool names_an_operator(const at::RecordFunction& fn) {
   thread_local std::unordered_set<const void*> operators;
   const void* key = fn.name();
   if (operators.count(key) != 0) return true;
-  // Two string copies; once per operator, and per non-operator record.
+  // Two string copies for an operator, once; none for any other record.
   if (!fn.operator_name().has_value()) return false;
   operators.insert(key);
   return true;
