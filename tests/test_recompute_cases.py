@@ -5,6 +5,7 @@ forward. Every saved activation is dropped between forward and backward
 (evict_all with actions=recompute), so backward must rebuild all of them;
 gradients are compared bit for bit with the same code run unmanaged."""
 import time
+from typing import List
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ def _grads(build, run, seed=0, evict=False, **install):
         load_extension().release_cached()  # the peak is this run's alone
         membudget.reset_counters()
         membudget.reset_peak_stats()
+        _evictions.clear()
     try:
         torch.manual_seed(seed)
         model = build()
@@ -41,8 +43,18 @@ def _grads(build, run, seed=0, evict=False, **install):
             membudget.uninstall()
 
 
+# What each _evict_everything() of the running test found, for the message
+# of a run that replayed nothing: which entries were droppable, and why not
+# (referenced elsewhere, or without a declared lineage).
+_evictions: List[str] = []
+
+
 def _evict_everything():
-    load_extension().evict_all()
+    native = load_extension()
+    found = native.entries()
+    native.evict_all()
+    _evictions.append(", ".join(f"{e['id']}:{e['bytes']}B{'' if e['recomputable'] else ' unrecomputable'}"
+                                f"{' referenced' if e['externally_referenced'] else ''}" for e in found))
 
 
 def _backward(model, x, evict):
@@ -58,7 +70,7 @@ def _assert_same(plain, managed, min_recomputes=1):
     assert plain[1].keys() == managed[1].keys()
     for name in plain[1]:
         assert torch.equal(plain[1][name], managed[1][name]), name
-    assert managed[2]["recompute_count"] >= min_recomputes
+    assert managed[2]["recompute_count"] >= min_recomputes, "entries at each eviction:\n" + "\n".join(_evictions)
 
 
 def _check(build, run=_backward, min_recomputes=1, **install):
