@@ -34,8 +34,8 @@ def ops_recorded() -> int:
 
 def entry_holders() -> str:
     """Who holds the live managed entries, for an assertion's message: the
-    Python recorder's held inputs reached through an entry, its pending
-    declarations, and the tracked objects referring to a handle."""
+    entry ids, whether autograd still holds a handle, and the Python
+    recorder's held inputs reached through an entry."""
     from membudget import _runtime
 
     native = load_extension()
@@ -46,13 +46,6 @@ def entry_holders() -> str:
         through = [held.handle.entry_id for held in list(lineage.held_inputs) if held.handle is not None]
         lines.append(f"python recorder: held through entries {through}, unwritten {len(lineage.unwritten)}, "
                      f"in_backward {lineage.in_backward}, op_index {lineage.op_index}")
-    for obj in gc.get_objects():
-        if type(obj) in (list, tuple, dict):
-            values = obj.values() if type(obj) is dict else obj
-            for value in list(values):
-                if type(value).__name__ == "SavedActivation":
-                    owners = [type(o).__name__ for o in gc.get_referrers(obj)][:6]
-                    lines.append(f"{value!r} (entry {value.entry_id}) in a {type(obj).__name__} held by {owners}")
     return "\n".join(lines)
 
 
