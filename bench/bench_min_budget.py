@@ -9,6 +9,9 @@ plain one (bench/RESULTS.md, "Lead, session 23"):
 
 * ``functions``: six custom ``autograd.Function``s built from aten ops, each
   saving a tensor its forward computed (Note [Custom Function forwards]);
+* ``dirtied``: six ``Linear`` layers, each output scaled in place by a
+  custom Function that calls ``ctx.mark_dirty`` and saved by a ``gelu``
+  (Note [Marked dirty by a Function]; session 40);
 * ``gru``: a 2-layer ``nn.GRU`` (width 256, batch 32 x 64 tokens), whose CPU
   cells split their gates with ``unsafe_chunk`` (Note [One history per
   storage]);
@@ -78,6 +81,30 @@ def _models():
                 x = TanhMatmul.apply(x, self.w)
             return self.out(x)
 
+    class ScaleInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.mark_dirty(x)
+            ctx.save_for_backward(scale)
+            return x.mul_(scale)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (scale,) = ctx.saved_tensors
+            return grad * scale, None
+
+    class Dirtied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+            self.scale = nn.Parameter(torch.ones(256), requires_grad=False)
+            self.out = nn.Linear(256, 10)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = nn.functional.gelu(ScaleInPlace.apply(layer(x).mul(1.0), self.scale))
+            return self.out(x)
+
     class Gru(nn.Module):
         def __init__(self):
             super().__init__()
@@ -131,6 +158,7 @@ def _models():
         "vit": lambda: transformers_model("vit"),
         "rrelu": lambda: (rrelu, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "functions": lambda: (Functions, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "dirtied": lambda: (Dirtied, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "gru": lambda: (Gru, lambda: (torch.randint(0, 500, (32, 64)),), lambda m, i: m(i[0]).square().mean()),
         "mlp": lambda: (mlp, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "rnncell": lambda: (RnnCell, lambda: (torch.randn(32, 128, 64), torch.randint(0, 10, (32,))), classify),

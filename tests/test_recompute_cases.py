@@ -771,6 +771,79 @@ def test_a_function_called_after_a_compiled_region_is_recorded(lineage_recorder)
     assert unrecorded == 0
 
 
+class _ScaledInPlace(torch.autograd.Function):
+    """Writes its input in place and says so (``ctx.mark_dirty``): apply
+    bumps the input's version once more as it returns. With ``save_output``
+    it saves its own in-place output; with ``unseen_write`` its forward also
+    writes the input where no recorder looks (the Python dispatch key
+    excluded), so one bump more than mark_dirty's is left unexplained."""
+
+    @staticmethod
+    def forward(ctx, x, scale, save_output, unseen_write):
+        ctx.mark_dirty(x)
+        x.mul_(scale)
+        if unseen_write:
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+                x.add_(1.0)
+        ctx.save_for_backward(x if save_output else scale)
+        ctx.save_output = save_output
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        # With the output saved the gradient reads it (a test of its bytes).
+        return (grad * saved.sign().abs() if ctx.save_output else grad * saved), None, None, None
+
+
+class _DirtiedInTheMiddle(nn.Module):
+    def __init__(self, save_output=False, unseen_write=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+        self.save_output, self.unseen_write = save_output, unseen_write
+
+    def forward(self, x):
+        hidden = torch.nn.functional.gelu(self.a(x))
+        scale = torch.sigmoid(hidden.detach().mean(0))
+        scaled = _ScaledInPlace.apply(hidden * 1.0, scale, self.save_output, self.unseen_write)
+        return self.b(torch.nn.functional.silu(scaled))
+
+
+def _entries_at_eviction(model, x, evict, found):
+    loss = model(x).square().mean()
+    if evict:
+        found[:] = load_extension().entries()
+        _evict_everything()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("save_output", [False, True], ids=["read_after", "saved_by_the_function"])
+def test_a_functions_in_place_output_is_recomputable(save_output):
+    # Note [Marked dirty by a Function] (csrc/torch/lineage_recorder.cpp):
+    # the bump apply adds for ctx.mark_dirty matched no recorded write, so
+    # the Function's in-place output -- silu's saved input, or what the
+    # Function saved itself -- was swap-only under both recorders.
+    found = []
+    _check(lambda: _DirtiedInTheMiddle(save_output), lambda m, x, e: _entries_at_eviction(m, x, e, found),
+           min_recomputes=4)
+    output_bytes = 32 * 128 * 4
+    outputs = [e for e in found if e["bytes"] == output_bytes]
+    assert len(outputs) >= 2 and all(e["recomputable"] for e in found), found
+
+
+def test_a_write_the_recorders_did_not_see_in_a_functions_forward_keeps_it_swap_only():
+    # One bump more than mark_dirty's: the in-place output is not rebuilt
+    # from a history that lacks the unseen add_; recompute-only leaves it
+    # resident, and gradients stay exact.
+    found = []
+    _check(lambda: _DirtiedInTheMiddle(unseen_write=True), lambda m, x, e: _entries_at_eviction(m, x, e, found),
+           min_recomputes=2)
+    output_bytes = 32 * 128 * 4
+    unrecomputable = [e for e in found if not e["recomputable"]]
+    assert [e["bytes"] for e in unrecomputable] == [output_bytes], found
+
+
 class _FilledBehindTheDispatcher(torch.autograd.Function):
     """Stands for an extension kernel: its output is allocated through
     aten::empty and written through a raw pointer (numpy here), which no

@@ -36,6 +36,13 @@ thread_local int t_function_forwards = 0;
 thread_local int t_compiled_regions = 0;
 // The Python recorder's callback on this thread (track_function_forwards).
 thread_local std::optional<at::CallbackHandle> t_tracker;
+// What the Python recorder asked to be called with as a Function's record
+// closes, and whether it wants the call (Note [Marked dirty by a Function]
+// in lineage_recorder.cpp). An owned reference, given back when tracking
+// stops; a thread that exits tracking leaks it rather than decref without
+// the GIL.
+thread_local PyObject* t_settle = nullptr;
+thread_local bool t_settle_armed = false;
 
 // Note [Record names are not keys]: an operator's record names it with its
 // schema's name, a string that lives as long as the operator's registration,
@@ -80,7 +87,18 @@ std::unique_ptr<at::ObserverContext> on_record_start(const at::RecordFunction& f
 }
 
 void on_record_end(const at::RecordFunction&, at::ObserverContext* opened) {
-  if (opened != nullptr) leave_function_forward(static_cast<OpenedForward*>(opened)->compiled);
+  if (opened == nullptr) return;
+  leave_function_forward(static_cast<OpenedForward*>(opened)->compiled);
+  if (!t_settle_armed || t_settle == nullptr) return;
+  // Function.apply holds the GIL here; acquiring is a check then.
+  t_settle_armed = false;
+  pybind11::gil_scoped_acquire gil;
+  try {
+    // settle(depth after this forward) -> whether writes of outer forwards still wait.
+    t_settle_armed = pybind11::handle(t_settle)(t_function_forwards).cast<bool>();
+  } catch (pybind11::error_already_set& error) {
+    error.discard_as_unraisable("membudget: settling a custom Function's in-place writes");
+  }
 }
 
 }  // namespace
@@ -123,7 +141,11 @@ void reset_function_forwards() {
 }
 
 void bind_function_forwards(pybind11::module_& lineage_module) {
-  lineage_module.def("track_function_forwards", [](bool on) {
+  lineage_module.def("track_function_forwards", [](bool on, pybind11::object settle) {
+    Py_XDECREF(t_settle);
+    t_settle = nullptr;
+    t_settle_armed = false;
+    if (on && !settle.is_none()) t_settle = settle.release().ptr();
     if (on == t_tracker.has_value()) return;
     reset_function_forwards();
     if (on) {
@@ -133,8 +155,15 @@ void bind_function_forwards(pybind11::module_& lineage_module) {
       at::removeCallback(*t_tracker);
       t_tracker.reset();
     }
-  }, pybind11::arg("on"), "Track, on this thread, which ops run inside a custom autograd.Function's forward "
-     "(Note [Custom Function forwards]); for the Python recorder.");
+  }, pybind11::arg("on"), pybind11::arg("settle") = pybind11::none(),
+     "Track, on this thread, which ops run inside a custom autograd.Function's forward "
+     "(Note [Custom Function forwards]); for the Python recorder. settle(depth), when armed by "
+     "settle_at_function_end(), is called as a Function's record closes, with the depth of Function "
+     "forwards left open; it returns whether to stay armed (Note [Marked dirty by a Function]).");
+  lineage_module.def("settle_at_function_end", [] { t_settle_armed = true; },
+                     "Call this thread's settle callback as the next custom Function's record closes.");
+  lineage_module.def("function_forward_depth", [] { return t_function_forwards; },
+                     "How many custom Function forwards are open on this thread.");
   lineage_module.def("in_function_forward", &in_function_forward,
                      "Whether this thread is inside a custom autograd.Function's forward called with grad on.");
 }

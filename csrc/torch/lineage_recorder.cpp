@@ -150,6 +150,34 @@ std::atomic<bool> g_active{false};
 // and the previous, whose saved tensors backward may still hold.
 constexpr int64_t kForwardsKept = 2;
 
+// Note [Marked dirty by a Function]: a custom Function whose forward writes
+// its input in place calls ctx.mark_dirty(x), and Function.apply, after the
+// forward returns, bumps x's version counter once more (_mark_dirty, in
+// python_function.cpp) as it rebases x's history onto the Function's node:
+// x._version reads 1 after the forward's x.mul_(s), which the recorder
+// recorded, and 2 once apply returns. That bump matched no recorded write,
+// so every later read of x held it, and what saved it (the next op's input,
+// or the Function's own save_for_backward) was swap-only. The bump happens
+// inside the RecordFunction that apply opens around the whole call, after
+// the forward and before the record closes, where nothing else runs that
+// can write. So each write recorded inside the forward is remembered by the
+// Function's frame, with the written tensor's grad_fn; as the record closes,
+// a storage whose lineage still ends at that write, whose tensor reads
+// exactly one version more and whose grad_fn changed (the rebase: no
+// in-place op changes a grad_fn while grad mode is off) takes that version
+// as the write's. Anything else -- no bump, two, a tensor not marked dirty
+// -- keeps the recorded version, and an unseen write is still caught. Packs
+// made by apply after the forward (ctx.save_for_backward of x) wait for the
+// record's end too, like Note [Packed before recorded]. The Python recorder
+// does the same from the tracker's end callback (lineage.py's
+// _settle_function_writes).
+struct ForwardWrite {
+  std::shared_ptr<StorageLineage> lineage;
+  at::Tensor tensor;
+  int64_t version;  // after the recorded write
+  const torch::autograd::Node* grad_fn;
+};
+
 // One RecordFunction on this thread's stack.
 struct Frame {
   bool blocks_children = false;
@@ -163,6 +191,8 @@ struct Frame {
   c10::SmallVector<std::pair<std::shared_ptr<StorageLineage>, at::Tensor>, 2> writes;
   // Outputs autograd saved before the op returned (Note [Packed before recorded]).
   std::vector<std::pair<uint64_t, at::Tensor>> packed;
+  // A custom Function's forward: what its ops wrote (Note [Marked dirty by a Function]).
+  std::vector<ForwardWrite> forward_writes;
   // The arguments, kept for the roofline (Note [Roofline floor on CUDA]) when
   // it is on: a boxed call's RecordFunction inputs view its stack, which
   // holds the outputs by the time the op ends.
@@ -808,12 +838,42 @@ void attach_output(RecorderState& s, const std::shared_ptr<OpNode>& node, int64_
 
 void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame, double seconds, Deferred& deferred);
 
+// The innermost custom Function forward open on this thread, or null.
+Frame* enclosing_function_forward() {
+  for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
+    if (frame->function_forward) return frame->compiled_region ? nullptr : &*frame;
+  }
+  return nullptr;
+}
+
+// A custom Function's record closes (Note [Marked dirty by a Function]).
+void end_function_forward(Frame& frame) {
+  RecorderState& s = state();
+  Deferred deferred;  // Note [Recorder lock and the GIL]
+  {
+    std::lock_guard<std::recursive_mutex> lock(s.mutex);
+    for (ForwardWrite& write : frame.forward_writes) {
+      if (write.lineage->versions.back() == write.version && version_of(write.tensor) == write.version + 1 &&
+          torch::autograd::impl::grad_fn_unsafe(write.tensor) != write.grad_fn) {
+        write.lineage->versions.back() = write.version + 1;
+      }
+    }
+    for (const auto& [entry_id, tensor] : frame.packed) {
+      if (s.by_storage.count(tensor.storage().unsafeGetStorageImpl()) != 0) declare_packed(s, entry_id, tensor, deferred);
+    }
+  }
+  deferred.run(s);
+}
+
 void on_op_end(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
   if (t_frames.empty()) return;  // started before the callback was added
   Frame frame = std::move(t_frames.back());
   t_frames.pop_back();
   if (frame.blocks_children) --t_blocking;
-  if (frame.function_forward) leave_function_forward(frame.compiled_region);
+  if (frame.function_forward) {
+    leave_function_forward(frame.compiled_region);
+    if (!frame.forward_writes.empty() || !frame.packed.empty()) end_function_forward(frame);
+  }
   if (frame.silenced && t_enabled && t_handle) at::reenableCallback(*t_handle);
   if (frame.node == nullptr) return;
   const double seconds = std::chrono::duration<double>(Clock::now() - frame.start).count();
@@ -836,11 +896,16 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
       s.writers.push_back({s.forward, {}});
     }
     s.writers.back().second.push_back(frame.node);
+    Frame* function = enclosing_function_forward();
     for (auto& [target, tensor] : frame.writes) {
       target->mutations.push_back(frame.node);
       // The ADInplaceOrView kernel ran inside this call: the bump is done.
       target->versions.push_back(static_cast<int64_t>(tensor._version()));
       target->memo.clear();
+      if (function != nullptr) {  // Note [Marked dirty by a Function]
+        function->forward_writes.push_back(
+            {target, tensor, target->versions.back(), torch::autograd::impl::grad_fn_unsafe(tensor)});
+      }
     }
   }
   const c10::FunctionSchema& schema = info.op.schema();
@@ -881,7 +946,9 @@ void on_pack(uint64_t entry_id, const at::Tensor& tensor) {
     state().packed_in_forward.store(true);
   }
   for (auto frame = t_frames.rbegin(); frame != t_frames.rend(); ++frame) {
-    if (frame->node != nullptr) {
+    // A Function that wrote in its forward may yet have the write's version
+    // bumped (Note [Marked dirty by a Function]).
+    if (frame->node != nullptr || !frame->forward_writes.empty()) {
       frame->packed.emplace_back(entry_id, tensor);
       return;
     }

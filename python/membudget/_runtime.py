@@ -401,7 +401,7 @@ def _push_hooks_on_started_thread(thread: threading.Thread) -> bool:
         elif recorder is not None:
             from .lineage import LineageMode, track_function_forwards
 
-            track_function_forwards(native, True)
+            track_function_forwards(native, True, recorder)
             mode = LineageMode(recorder)
             mode.__enter__()
             _started_thread_mode.mode = mode
@@ -509,7 +509,7 @@ def _push_hooks(native, config: Config, plan, device: torch.device, recording: b
         hide_from_dynamo(function)
     native.set_recompute_callback(recompute)
     _push_saved_tensor_hooks(pack, unpack)
-    track_function_forwards(native, True)
+    track_function_forwards(native, True, lineage)
     _lineage_mode = LineageMode(lineage)
     _lineage_mode.__enter__()
     _lineage = lineage

@@ -522,6 +522,11 @@ class Lineage:
         # (ops recorded when packed, lineage, weak handle) of entries packed
         # before their first write (Note [Packed before its first write]).
         self.unwritten: List[tuple] = []
+        # Per thread: writes made inside custom Function forwards still open,
+        # and packs waiting for them (Note [Marked dirty by a Function] in
+        # csrc/torch/lineage_recorder.cpp).
+        self.function_writes: Dict[int, List[tuple]] = {}
+        self.function_packs: Dict[int, List[tuple]] = {}
         # The thread that packed last: the one training (Note [Recording on
         # started threads]); None before the first pack.
         self.packer: Optional[int] = None
@@ -549,6 +554,8 @@ class Lineage:
         self.by_entry = {k: v for k, v in self.by_entry.items() if k in live}
         self.externals = {}
         self.unwritten = []
+        self.function_writes = {}
+        self.function_packs = {}
 
     def may_begin_forward(self) -> bool:
         """Whether an op recorded on this thread after an unpack begins a
@@ -843,6 +850,8 @@ class Lineage:
             lineage.versions.append(target._version + 1)
             lineage.unbumped = None if info.bumps else target._version
             lineage.memo.clear()
+            if info.bumps and _in_function_forward() and self.native is not None:
+                self._remember_function_write(lineage, target)
             if self.whole_of:
                 # Note [Writes behind a counter]: unsafe_chunk's outputs share
                 # their input's storage, each with a version counter of its
@@ -863,6 +872,47 @@ class Lineage:
         # dependents were rescued before the op ran (Note [Rescue before the
         # write]), and replay.py refuses any later replay that reads it (it
         # checks the version of every external input).
+
+    def _remember_function_write(self, lineage: StorageLineage, target: torch.Tensor) -> None:
+        """A write inside a custom Function's forward: its version may be
+        bumped once more as the Function returns (Note [Marked dirty by a
+        Function] in csrc/torch/lineage_recorder.cpp)."""
+        depth = self.native.lineage.function_forward_depth()
+        self.function_writes.setdefault(_get_ident(), []).append(
+            (depth, lineage, target, lineage.versions[-1], target.grad_fn))
+        self.native.lineage.settle_at_function_end()
+
+    def settle_function_writes(self, depth: int) -> bool:
+        """Called by the native tracker as a custom Function's record closes,
+        with ``depth`` Function forwards still open on this thread: a write
+        its forward made whose tensor autograd has since bumped exactly once
+        and given a new grad_fn (``ctx.mark_dirty``) takes that version as
+        its own; the packs that waited for it are declared. Returns whether
+        writes of outer forwards still wait (Note [Marked dirty by a
+        Function] in csrc/torch/lineage_recorder.cpp)."""
+        ident = _get_ident()
+        waiting, settled = [], []
+        for write in self.function_writes.pop(ident, ()):
+            (waiting if write[0] <= depth else settled).append(write)
+        for _, lineage, target, version, grad_fn in settled:
+            if lineage.versions[-1] == version and target._version == version + 1 and target.grad_fn is not grad_fn:
+                lineage.versions[-1] = version + 1
+        if waiting:
+            self.function_writes[ident] = waiting
+        packs = self.function_packs.pop(ident, ())
+        for lineage, handle_ref in packs:
+            handle = handle_ref()  # None: the entry is gone
+            if handle is not None and lineage.entry_id is None and at_last_version(lineage, handle.version):
+                lineage.entry_id = handle.entry_id
+                self.by_entry[handle.entry_id] = lineage
+                self._declare(handle.entry_id, lineage)
+        return bool(waiting)
+
+    def _waits_for_function(self, lineage: StorageLineage) -> bool:
+        """Whether ``lineage`` was written inside a custom Function's forward
+        still open on this thread (Note [Marked dirty by a Function])."""
+        writes = self.function_writes.get(_get_ident())
+        return writes is not None and any(write[1] is lineage for write in writes)
 
     def _end_history(self, lineage: StorageLineage) -> None:
         lineage.mutations.append(_ENDED)
@@ -920,6 +970,10 @@ class Lineage:
         if base is not None and base is not tensor and storage_address(base) != storage_address(tensor):
             return  # set_() or similar moved the tensor to another storage
         if not at_last_version(lineage, tensor._version):
+            if self.function_writes and self._waits_for_function(lineage):
+                # Saved by ctx.save_for_backward after mark_dirty's bump:
+                # declared as the Function returns (Note [Marked dirty by a Function]).
+                self.function_packs.setdefault(_get_ident(), []).append((lineage, weakref.ref(handle)))
             return  # written by something lineage did not see
         entry_id = handle.entry_id
         lineage.entry_id = entry_id
@@ -1026,12 +1080,14 @@ def _modelled_seconds(func, args, kwargs, out, device) -> float:
     return roofline_seconds(op_flops(func, args, kwargs, out), read + written, device, dtype, op_category(func))
 
 
-def track_function_forwards(native, on: bool) -> None:
+def track_function_forwards(native, on: bool, lineage: Optional["Lineage"] = None) -> None:
     """Turns on (or off) the native tracker of custom Function forwards on
     this thread, which the mode asks when grad is off (Note [Custom Function
-    forwards] in csrc/torch/function_forwards.cpp)."""
+    forwards] in csrc/torch/function_forwards.cpp); ``lineage`` settles the
+    writes its forwards made as each Function returns (Note [Marked dirty
+    by a Function] in csrc/torch/lineage_recorder.cpp)."""
     global _in_function_forward
-    native.lineage.track_function_forwards(on)
+    native.lineage.track_function_forwards(on, lineage.settle_function_writes if on and lineage is not None else None)
     _in_function_forward = native.lineage.in_function_forward if on else bool
 
 
