@@ -844,6 +844,50 @@ def test_a_write_the_recorders_did_not_see_in_a_functions_forward_keeps_it_swap_
     assert [e["bytes"] for e in unrecomputable] == [output_bytes], found
 
 
+class _DirtiesInsideItsForward(torch.autograd.Function):
+    """Applies _ScaledInPlace inside its own forward, where grad is off, and
+    saves the in-place result."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _ScaledInPlace.apply(x * 2, torch.full((x.shape[-1],), 0.5), False, False)
+        ctx.save_for_backward(y)
+        return y.exp()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y.exp()
+
+
+class _DirtiedViewAndNested(nn.Module):
+    def __init__(self, nested):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+        self.nested = nested
+
+    def forward(self, x):
+        hidden = torch.nn.functional.gelu(self.a(x)) * 1.0
+        if self.nested:
+            hidden = hidden + _DirtiesInsideItsForward.apply(hidden)
+        else:  # a view of hidden, written in place and marked dirty
+            _ScaledInPlace.apply(hidden[:, :64], torch.sigmoid(hidden.detach().mean(0))[:64], False, False)
+        return self.b(torch.nn.functional.silu(hidden))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["view", "inside_another_function"])
+def test_a_function_dirtying_a_view_or_inside_another_function(nested):
+    # A view marked dirty is recomputable like its base. Inside another
+    # Function's forward grad is off: apply bumps the version but gives no
+    # new grad_fn, so that in-place result (saved by the outer Function)
+    # stays swap-only (Note [Marked dirty by a Function]); either way exact.
+    found = []
+    _check(lambda: _DirtiedViewAndNested(nested), lambda m, x, e: _entries_at_eviction(m, x, e, found),
+           min_recomputes=3)
+    unrecomputable = [e["bytes"] for e in found if not e["recomputable"]]
+    assert unrecomputable == ([32 * 128 * 4] if nested else []), found
+
+
 class _FilledBehindTheDispatcher(torch.autograd.Function):
     """Stands for an extension kernel: its output is allocated through
     aten::empty and written through a raw pointer (numpy here), which no

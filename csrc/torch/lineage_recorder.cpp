@@ -166,11 +166,13 @@ constexpr int64_t kForwardsKept = 2;
 // exactly one version more and whose grad_fn changed (the rebase: no
 // in-place op changes a grad_fn while grad mode is off) takes that version
 // as the write's. Anything else -- no bump, two, a tensor not marked dirty
-// -- keeps the recorded version, and an unseen write is still caught. Packs
+// -- keeps the recorded version, and an unseen write is still caught. A
+// Function applied inside another's forward, where grad is off, is bumped
+// but given no new grad_fn: its in-place output stays swap-only. Packs
 // made by apply after the forward (ctx.save_for_backward of x) wait for the
 // record's end too, like Note [Packed before recorded]. The Python recorder
 // does the same from the tracker's end callback (lineage.py's
-// _settle_function_writes).
+// Lineage.settle_function_writes).
 struct ForwardWrite {
   std::shared_ptr<StorageLineage> lineage;
   at::Tensor tensor;
