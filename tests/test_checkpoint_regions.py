@@ -14,6 +14,7 @@ import torch.utils.checkpoint as torch_checkpoint
 import membudget
 
 from models import gpt2
+from membudget._native import load_extension
 from training import assert_identical, run_managed, run_plain
 
 pytestmark = pytest.mark.requires_native
@@ -106,11 +107,23 @@ def _selective_context():
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
+def _matmuls_saved(ctx, op, *args, **kwargs):
+    """A selective checkpointing policy: keep matrix products, recompute the rest."""
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls():
+    return torch_checkpoint.create_selective_checkpoint_contexts(_matmuls_saved)
+
+
 def test_only_default_non_reentrant_regions_on_the_install_thread_run_plain():
     membudget.install(budget="1GiB", min_tensor_bytes=0)
     try:
         assert _region_runs(use_reentrant=False) == 1
-        # A custom context_fn is the user's own plan of what to keep.
+        # Selective checkpointing's context: its policy becomes a plan.
+        assert _region_runs(use_reentrant=False, context_fn=_save_matmuls) == 1
+        # Any other custom context_fn sets up what we cannot read.
         assert _region_runs(use_reentrant=False, context_fn=_selective_context) == 2
         assert _region_runs(use_reentrant=True) == 2
         # Another thread has none of membudget's hooks: its regions stay checkpoints.
@@ -160,3 +173,77 @@ def test_regions_whose_rerun_differs_stay_torchs(preserve_rng_state):
     assert plain["inner.1.num_batches_tracked"].item() == 2
     for name in plain:
         assert torch.equal(plain[name], managed[name]), name
+
+
+class _SelectivelyCheckpointed(torch.nn.Module):
+    """Blocks under selective activation checkpointing that keeps matrix
+    products; activations outweigh parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(256, 64), torch.nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch_checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=_save_matmuls)
+        return x
+
+
+def _selective_batch():
+    return (torch.randn(2048, 64),)
+
+
+def _selective_loss(model, inputs):
+    return model(inputs[0]).square().mean()
+
+
+@pytest.mark.usefixtures("lineage_recorder")
+def test_selective_checkpoints_train_under_a_budget_their_own_regions_could_not_meet():
+    # Note [Selective checkpoints as a plan] (_checkpoint_regions.py): kept
+    # as torch's, what the policy saves and the region's frame holds cannot
+    # be evicted; run as plain code under the policy as a plan, the same
+    # model trains in 60% of the selective checkpoint's own peak, bit for bit.
+    build = _SelectivelyCheckpointed
+    reference = run_plain(build, _selective_batch, _selective_loss, STEPS)
+    unbudgeted = run_managed(build, _selective_batch, _selective_loss, STEPS, budget=None, min_tensor_bytes=0)
+    budget = int(unbudgeted.stats["reserved_bytes.all.peak"] * 0.6)
+    with pytest.raises(torch.OutOfMemoryError, match="evictable"):
+        try:
+            run_managed(build, _selective_batch, _selective_loss, STEPS, budget=budget, min_tensor_bytes=0,
+                        checkpoint="keep")
+        finally:
+            membudget.uninstall()
+    for actions in ("both", "recompute"):
+        managed = run_managed(build, _selective_batch, _selective_loss, STEPS, budget=budget, min_tensor_bytes=0,
+                              actions=actions)
+        assert_identical(reference, managed)
+        assert managed.stats["reserved_bytes.all.peak"] <= budget
+        assert managed.stats["planned_drops"] > 0 and managed.stats["recompute_count"] > 0
+
+
+@pytest.mark.usefixtures("lineage_recorder")
+def test_a_selective_policy_decides_what_is_dropped_under_a_roomy_budget():
+    # What the policy would recompute and nothing else holds is dropped as
+    # the region returns, with no pack after it; what it keeps stays.
+    membudget.install(budget="1GiB", min_tensor_bytes=0, actions="both")
+    try:
+        native = load_extension()
+        torch.manual_seed(0)
+        block = _SelectivelyCheckpointed().blocks[0]
+        x = torch.randn(2048, 64)
+        before = membudget.memory_stats()["planned_drops"]
+        out = torch_checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=_save_matmuls)
+        loss = out.square().mean()  # a pack after the region: planned drops happen at packs
+        dropped = sorted(e["bytes"] for e in native.entries() if e["state"] == "dropped")
+        resident = sorted(e["bytes"] for e in native.entries() if e["state"] == "resident")
+        planned = membudget.memory_stats()["planned_drops"] - before
+        loss.backward()
+    finally:
+        membudget.uninstall()
+    hidden = 2048 * 256 * 4
+    # GELU's output and the dropout's are dropped; addmm's output (GELU's
+    # saved input) stays, as do the input and the region's output, alive.
+    assert planned == 2 and dropped == [hidden, hidden], (planned, dropped, resident)
+    assert resident.count(hidden) == 1, resident

@@ -182,6 +182,10 @@ class ResidencyManager final : public Evictor {
   // soon as nothing else references it. Returns false when it cannot be
   // (not recomputable, or recomputation not allowed by the actions).
   bool plan_drop(ResidencyEntry* entry);
+  // Drops the planned entries nothing else references now, rather than at
+  // the next pack (a plan made where no pack follows: the last selective
+  // checkpoint region of a forward).
+  void drop_planned_now();
   // Ends a recompute begun by materialize(): on success the caller has
   // attached the new device copy; `seconds` is the replay's duration.
   void complete_recompute(ResidencyEntry* entry, bool succeeded, double seconds);

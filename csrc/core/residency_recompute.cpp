@@ -133,6 +133,11 @@ bool ResidencyManager::plan_drop(ResidencyEntry* entry) {
   return true;
 }
 
+void ResidencyManager::drop_planned_now() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  drop_planned();
+}
+
 void ResidencyManager::drop_planned() {
   for (size_t i = 0; i < planned_.size();) {
     ResidencyEntry* entry = planned_[i];

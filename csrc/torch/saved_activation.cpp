@@ -19,6 +19,8 @@ namespace {
 // entry. Weak: the entry dies with its last SavedActivation.
 std::mutex g_registry_mutex;
 std::unordered_map<const c10::StorageImpl*, std::weak_ptr<StorageResidency>> g_registry;
+// Storages a selective checkpoint region will plan to drop (plan_drop_later).
+thread_local std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> t_drop_later;
 // Entry id -> residency, for the lineage's replays (entry_storage_tensor).
 std::unordered_map<uint64_t, std::weak_ptr<StorageResidency>> g_by_id;
 // The lineage's replay function: (entry id, ahead) -> a tensor whose storage
@@ -760,6 +762,39 @@ void bind_saved_activation(py::module_& m) {
     std::shared_ptr<StorageResidency> residency = find_residency(entry_id);
     return runtime != nullptr && residency != nullptr && runtime->manager().plan_drop(residency.get());
   }, py::arg("entry_id"), "Drop this entry as soon as nothing else holds it (static plan)");
+  // Note [Selective checkpoints as a plan] (_checkpoint_regions.py): the
+  // storages of outputs a selective checkpoint's policy would recompute, on
+  // this thread, held weakly (a Python storage object per output kept each
+  // one referenced, so never evictable) until the region returns.
+  m.def("plan_drop_later", [](const at::Tensor& tensor) {
+    if (!tensor.defined() || !tensor.has_storage()) return;
+    t_drop_later.emplace_back(
+        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(tensor.storage().unsafeGetStorageImpl()));
+  }, py::arg("tensor"), "Remember tensor's storage for plan_drop_remembered() (Note [Selective checkpoints as a plan])");
+  m.def("plan_drop_remembered", [] {
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> remembered;
+    remembered.swap(t_drop_later);
+    Runtime* runtime = Runtime::get();
+    if (runtime == nullptr) return 0;
+    std::vector<std::shared_ptr<StorageResidency>> entries;
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mutex);
+      for (const auto& storage : remembered) {
+        if (storage.expired()) continue;  // the weak reference keeps the address from naming another
+        auto it = g_registry.find(storage._unsafe_get_target());
+        if (it == g_registry.end()) continue;
+        if (std::shared_ptr<StorageResidency> entry = it->second.lock()) entries.push_back(std::move(entry));
+      }
+    }
+    int planned = 0;
+    for (const std::shared_ptr<StorageResidency>& entry : entries) planned += runtime->manager().plan_drop(entry.get());
+    // The region's temporaries are gone by now; its last region may see no
+    // pack after it, where planned drops otherwise happen.
+    if (planned > 0) runtime->manager().drop_planned_now();
+    return planned;
+  }, "plan_drop the live entries on the storages plan_drop_later() remembered on this thread, drop those "
+     "nothing else references, and forget the storages; returns how many were planned (Note [Selective "
+     "checkpoints as a plan])");
 }
 
 }  // namespace membudget

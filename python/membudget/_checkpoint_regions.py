@@ -21,9 +21,10 @@ restores, and forward consumes the same random numbers either way
 (tests/test_checkpoint_regions.py compares losses and parameters bit for bit
 against the plain checkpointed run).
 
-Only regions with the default ``context_fn`` are replaced: a custom one
-(selective activation checkpointing) chooses what to keep, which is the
-user's plan, not ours. Regions whose second run differs from their first
+Only regions with the default ``context_fn``, or with selective activation
+checkpointing's (Note [Selective checkpoints as a plan]), are replaced: any
+other custom one sets up what its author chose, which we cannot read.
+Regions whose second run differs from their first
 are left as torch's too, since replacing them would change results: with
 ``preserve_rng_state=False`` the re-run draws new random numbers (other
 dropout masks in backward, and the global generator advanced twice), and a
@@ -48,11 +49,15 @@ checkpoint into its own higher-order op before it.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Optional
 
+import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["replace_regions", "keep_regions"]
 
@@ -65,14 +70,109 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
     """Stands in for torch's non-reentrant checkpoint generator, which
     ``checkpoint()`` calls with these leading arguments: on the install thread
     and with the default ``context_fn`` it sets nothing up (``checkpoint()``
-    then simply calls ``function``); elsewhere it is torch's."""
+    then simply calls ``function``), with selective checkpointing's it runs
+    the region under the user's policy as a plan (Note [Selective checkpoints
+    as a plan]); elsewhere it is torch's."""
     original = _original
-    if (original is None or threading.get_ident() != _thread or context_fn is not _torch_checkpoint.noop_context_fn
-            or not preserve_rng_state or _updates_running_statistics(function)):
+    replace = (original is not None and threading.get_ident() == _thread and preserve_rng_state
+               and not _updates_running_statistics(function))
+    policy = None
+    if replace and context_fn is not _torch_checkpoint.noop_context_fn:
+        policy = _selective_policy(context_fn)
+        replace = policy is not None
+    if not replace:
         original = original or getattr(_torch_checkpoint, _GENERATOR)
         yield from original(function, preserve_rng_state, context_fn, *args, **kwargs)
         return
-    yield
+    if policy is None:
+        yield
+        return
+    plan = _PolicyAsPlan(policy)
+    with plan:
+        yield
+    plan.drop_what_it_recomputes()
+
+
+# Note [Selective checkpoints as a plan]: selective activation checkpointing
+# (context_fn=partial(create_selective_checkpoint_contexts, policy)) asks the
+# user's policy, op by op, whether to keep an output (MUST_SAVE, PREFER_SAVE)
+# or to recompute it in backward; what it keeps is held in its own cache and
+# everything else in its frame while backward re-runs the region, none of
+# which membudget can evict. A model checkpointed so trained at 90% of its
+# own peak no better than at its peak ("evictable 0 B": session 40's probe,
+# bench/RESULTS.md). Under a budget the region now runs as plain code, as a
+# default region does, and the policy becomes a plan: the outputs of the
+# ops it would recompute (not views or in-place results, which alias a
+# storage some other op made) are planned drops once the region returns,
+# so what stays resident is what the policy keeps, as under torch; the
+# budget can evict more, and every drop is replayed exactly. Recompute-only
+# ("swap" actions) plans nothing. The policy is read from the forward
+# context create_selective_checkpoint_contexts returns (its policy_fn); a
+# context_fn of any other shape stays torch's.
+def _selective_policy(context_fn):
+    """The policy of a selective checkpoint's ``context_fn``, or None."""
+    caching = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
+    if caching is None:
+        return None
+    try:
+        contexts = context_fn()
+    except Exception:  # not ours to judge: torch's checkpoint will call it and say what is wrong
+        return None
+    forward = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
+    return getattr(forward, "policy_fn", None) if isinstance(forward, caching) else None
+
+
+class _PolicyAsPlan(TorchDispatchMode):
+    """Asks a selective checkpoint's policy about each op of a region run as
+    plain code, and remembers (weakly) the storages of the outputs it would
+    recompute (Note [Selective checkpoints as a plan])."""
+
+    def __init__(self, policy):
+        super().__init__()
+        from ._native import load_extension
+
+        self._policy = policy
+        self._native = load_extension()
+        self._ignored = getattr(_torch_checkpoint, "SAC_IGNORED_OPS", set())
+        self._recompute = {_torch_checkpoint.CheckpointPolicy.MUST_RECOMPUTE,
+                           _torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE}
+
+    def drop_what_it_recomputes(self) -> int:
+        """plan_drop the live entries on the remembered storages; how many."""
+        return self._native.plan_drop_remembered()
+
+
+def _plan_dispatch(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if func in self._ignored or any(r.alias_info is not None for r in func._schema.returns):
+        return out  # a view or an in-place result: its storage is another op's
+    policy = self._policy(_context_for(out), func, *args, **kwargs)
+    if isinstance(policy, bool):  # the older spelling: True keeps
+        policy = (_torch_checkpoint.CheckpointPolicy.PREFER_SAVE if policy
+                  else _torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+    if policy in self._recompute:
+        for leaf in tree_leaves(out):
+            if type(leaf) is torch.Tensor:
+                self._native.plan_drop_later(leaf)
+    return out
+
+
+# Unwrapped, as LineageMode's (Note [Raw dispatch handler] in lineage.py).
+_PolicyAsPlan.__torch_dispatch__ = _plan_dispatch
+
+
+def _context_for(out):
+    """What the policy is handed, as torch's forward context builds it."""
+    context = _torch_checkpoint.SelectiveCheckpointContext
+    if _CONTEXT_TAKES_OUTPUT:
+        return context(is_recompute=False, op_output=out)
+    return context(is_recompute=False)
+
+
+# torch >= 2.5 hands the policy the op's output; 2.4's context does not take it.
+_CONTEXT_TAKES_OUTPUT = hasattr(_torch_checkpoint, "SelectiveCheckpointContext") and \
+    "op_output" in inspect.signature(_torch_checkpoint.SelectiveCheckpointContext).parameters
 
 
 def _updates_running_statistics(function) -> bool:
@@ -96,6 +196,9 @@ def replace_regions() -> bool:
             return False
         _original = original
         setattr(_torch_checkpoint, _GENERATOR, _plain_region)
+        from .lineage import hide_from_dynamo
+
+        hide_from_dynamo(_plan_dispatch)
     _thread = threading.get_ident()
     return True
 

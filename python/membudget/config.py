@@ -85,7 +85,9 @@ Variables
     ``context_fn`` run as plain forward code on the thread that called
     ``install()``: their activations are saved through membudget, which
     swaps or drops them as the budget requires, instead of being held by the
-    checkpoint where nothing can evict them. Results are the same (the
+    checkpoint where nothing can evict them. Selective activation
+    checkpointing's regions run so too, their policy's recomputed outputs
+    planned as drops. Results are the same (the
     checkpoint would replay the same ops under the same RNG state). ``keep``
     leaves every checkpoint as PyTorch runs it (docs/recompute.md,
     "Gradient checkpointing under a budget").
@@ -552,7 +554,8 @@ VARIABLES: Tuple[Variable, ...] = (
         "MEMBUDGET_CHECKPOINT", "checkpoint", "replace",
         "`replace`, `keep`",
         "`replace`: while a budget is set, non-reentrant `torch.utils.checkpoint` regions (default "
-        "`context_fn`) run as plain forward code, so membudget can swap or drop their activations; "
+        "`context_fn`, or selective checkpointing's, whose policy becomes a plan of drops) run as plain "
+        "forward code, so membudget can swap or drop their activations; "
         "`keep`: checkpoints run as PyTorch does them.",
         _parse_checkpoint,
     ),
