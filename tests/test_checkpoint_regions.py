@@ -247,3 +247,25 @@ def test_a_selective_policy_decides_what_is_dropped_under_a_roomy_budget():
     # saved input) stays, as do the input and the region's output, alive.
     assert planned == 2 and dropped == [hidden, hidden], (planned, dropped, resident)
     assert resident.count(hidden) == 1, resident
+
+
+def test_a_selective_policy_keeps_products_an_aliasing_op_returns():
+    # A linear layer without bias on a 3-D input runs mm and then
+    # _unsafe_view, which returns mm's storage without declaring an alias:
+    # asked about _unsafe_view, the policy says recompute, yet the storage
+    # is mm's, which it keeps. Planned, GELU's saved input (that storage)
+    # was dropped and replayed each step.
+    membudget.install(budget="1GiB", min_tensor_bytes=0, actions="both")
+    try:
+        native = load_extension()
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        x = torch.randn(8, 256, 64)
+        out = torch_checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=_save_matmuls)
+        loss = out.square().mean()
+        # GELU's saved input (mm's storage) and its output (the second linear's input).
+        states = sorted(e["state"] for e in native.entries() if e["bytes"] == 8 * 256 * 256 * 4)
+        loss.backward()
+    finally:
+        membudget.uninstall()
+    assert states == ["dropped", "resident"], states

@@ -888,6 +888,75 @@ def test_a_function_dirtying_a_view_or_inside_another_function(nested):
     assert unrecomputable == ([32 * 128 * 4] if nested else []), found
 
 
+class _WritesThenRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        x.mul_(2)
+        raise ValueError("the forward failed after its write")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _WritesAViewTwice(torch.autograd.Function):
+    """Writes its input, a view, once where the recorders see it and once
+    where they do not; no mark_dirty. One bump is left unexplained, and the
+    view's grad_fn is remade (its version moved) without any rebase."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(1.5)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+            x.add_(1.0)
+        return x.detach() * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _ReadAfterAnUnexplainedWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        hidden = torch.nn.functional.gelu(self.a(x)) * 1.0
+        other = _WritesAViewTwice.apply(hidden[:, :64])
+        return self.b(torch.nn.functional.silu(hidden) + torch.cat([other, other], 1))
+
+
+def test_a_grad_fn_remade_without_mark_dirty_is_no_rebase():
+    # A rule that took any change of the written tensor's grad_fn as
+    # mark_dirty's rebase (the first one, under the Python recorder) took
+    # the unseen add_ for the recorded mul_: a view's grad_fn is remade
+    # whenever its version moves, and silu's saved input then replayed
+    # without the add_. The grad_fn must be this Function's node (Note
+    # [Marked dirty by a Function]).
+    found = []
+    _check(_ReadAfterAnUnexplainedWrite, lambda m, x, e: _entries_at_eviction(m, x, e, found), min_recomputes=2)
+    assert [e["bytes"] for e in found if not e["recomputable"]] == [32 * 128 * 4], found
+
+
+def test_an_exception_from_a_functions_forward_after_a_write_reaches_the_caller():
+    # The record's end callback settles the forward's writes with the
+    # forward's exception set: it must reach the caller as it was raised,
+    # not as a SystemError (Note [Marked dirty by a Function]).
+    membudget.install(budget="4GiB", min_tensor_bytes=0)
+    try:
+        x = torch.randn(32, 64, requires_grad=True)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="the forward failed after its write"):
+                _WritesThenRaises.apply(x * 1.0)
+        y = _ScaledInPlace.apply(x * 1.0, torch.full((64,), 0.5), False, False)
+        y.sin().sum().backward()  # the recorder still works afterwards
+        assert torch.equal(x.grad, (x * 0.5).cos() * 0.5)
+    finally:
+        membudget.uninstall()
+
+
 class _FilledBehindTheDispatcher(torch.autograd.Function):
     """Stands for an extension kernel: its output is allocated through
     aten::empty and written through a raw pointer (numpy here), which no

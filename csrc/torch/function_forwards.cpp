@@ -22,7 +22,9 @@
 #include "torch/function_forwards.h"
 
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstring>
 #include <optional>
@@ -86,16 +88,21 @@ std::unique_ptr<at::ObserverContext> on_record_start(const at::RecordFunction& f
   return std::make_unique<OpenedForward>(compiled);
 }
 
-void on_record_end(const at::RecordFunction&, at::ObserverContext* opened) {
+void on_record_end(const at::RecordFunction& fn, at::ObserverContext* opened) {
   if (opened == nullptr) return;
   leave_function_forward(static_cast<OpenedForward*>(opened)->compiled);
   if (!t_settle_armed || t_settle == nullptr) return;
   // Function.apply holds the GIL here; acquiring is a check then.
   t_settle_armed = false;
   pybind11::gil_scoped_acquire gil;
+  // A forward that raised returns through here with its exception set:
+  // kept aside for the call and restored, so the caller still sees it
+  // (called with it set, the callback's result turned it into a SystemError).
+  pybind11::error_scope raised;
   try {
-    // settle(depth after this forward) -> whether writes of outer forwards still wait.
-    t_settle_armed = pybind11::handle(t_settle)(t_function_forwards).cast<bool>();
+    // settle(depth after this forward, its sequence number) -> whether
+    // writes of outer forwards still wait.
+    t_settle_armed = pybind11::handle(t_settle)(t_function_forwards, fn.seqNr()).cast<bool>();
   } catch (pybind11::error_already_set& error) {
     error.discard_as_unraisable("membudget: settling a custom Function's in-place writes");
   }
@@ -140,6 +147,21 @@ void reset_function_forwards() {
   t_compiled_regions = 0;
 }
 
+bool rebased_onto_function(const at::Tensor& tensor, int64_t sequence_nr) {
+  if (sequence_nr < 0 || !tensor.defined()) return false;
+  const torch::autograd::Node* node = nullptr;
+  torch::autograd::DifferentiableViewMeta* view = torch::autograd::impl::get_view_autograd_meta(tensor);
+  if (view != nullptr && view->has_bw_view()) {
+    // rebase_history wraps the Function's node in a CopySlices on the base.
+    const auto* copy = dynamic_cast<const torch::autograd::CopySlices*>(
+        torch::autograd::impl::grad_fn_unsafe(view->get_backward_view().base_));
+    node = copy != nullptr ? copy->fn.get() : nullptr;
+  } else {
+    node = torch::autograd::impl::grad_fn_unsafe(tensor);
+  }
+  return node != nullptr && node->sequence_nr() == static_cast<uint64_t>(sequence_nr);
+}
+
 void bind_function_forwards(pybind11::module_& lineage_module) {
   lineage_module.def("track_function_forwards", [](bool on, pybind11::object settle) {
     Py_XDECREF(t_settle);
@@ -157,9 +179,14 @@ void bind_function_forwards(pybind11::module_& lineage_module) {
     }
   }, pybind11::arg("on"), pybind11::arg("settle") = pybind11::none(),
      "Track, on this thread, which ops run inside a custom autograd.Function's forward "
-     "(Note [Custom Function forwards]); for the Python recorder. settle(depth), when armed by "
-     "settle_at_function_end(), is called as a Function's record closes, with the depth of Function "
-     "forwards left open; it returns whether to stay armed (Note [Marked dirty by a Function]).");
+     "(Note [Custom Function forwards]); for the Python recorder. settle(depth, sequence_nr), when "
+     "armed by settle_at_function_end(), is called as a Function's record closes, with the depth of "
+     "Function forwards left open and the record's sequence number; it returns whether to stay armed "
+     "(Note [Marked dirty by a Function]).");
+  lineage_module.def("rebased_onto_function", &rebased_onto_function, pybind11::arg("tensor"),
+                     pybind11::arg("sequence_nr"),
+                     "Whether autograd rebased tensor's history onto the custom Function whose record had this "
+                     "sequence number (ctx.mark_dirty; Note [Marked dirty by a Function]).");
   lineage_module.def("settle_at_function_end", [] { t_settle_armed = true; },
                      "Call this thread's settle callback as the next custom Function's record closes.");
   lineage_module.def("function_forward_depth", [] { return t_function_forwards; },

@@ -23,6 +23,12 @@ void leave_function_forward(bool compiled);
 bool in_function_forward();
 // Resets this thread's count (a recorder starting or stopping).
 void reset_function_forwards();
+// Whether autograd has rebased `tensor`'s history onto the node of the
+// custom Function whose record has sequence number `sequence_nr` (what
+// ctx.mark_dirty does as apply returns): its grad_fn is that node, or, for
+// a view, its base's CopySlices wraps it (Note [Marked dirty by a Function]
+// in lineage_recorder.cpp).
+bool rebased_onto_function(const at::Tensor& tensor, int64_t sequence_nr);
 
 // Binds track_function_forwards(on) and in_function_forward() into the
 // lineage submodule, for the Python recorder, which sees ops from a

@@ -161,14 +161,17 @@ constexpr int64_t kForwardsKept = 2;
 // inside the RecordFunction that apply opens around the whole call, after
 // the forward and before the record closes, where nothing else runs that
 // can write. So each write recorded inside the forward is remembered by the
-// Function's frame, with the written tensor's grad_fn; as the record closes,
-// a storage whose lineage still ends at that write, whose tensor reads
-// exactly one version more and whose grad_fn changed (the rebase: no
-// in-place op changes a grad_fn while grad mode is off) takes that version
-// as the write's. Anything else -- no bump, two, a tensor not marked dirty
-// -- keeps the recorded version, and an unseen write is still caught. A
-// Function applied inside another's forward, where grad is off, is bumped
-// but given no new grad_fn: its in-place output stays swap-only. Packs
+// Function's frame; as the record closes, a storage whose lineage still ends
+// at that write, whose tensor reads exactly one version more and whose
+// history autograd rebased onto this very Function's node (its grad_fn, or
+// for a view its base's CopySlices, carries the record's sequence number:
+// rebased_onto_function) takes that version as the write's. A grad_fn that
+// merely changed proved nothing: a write with grad on inside the forward
+// changes it, and a view's grad_fn is remade whenever its version moves.
+// Anything else -- no bump, two, a tensor not marked dirty -- keeps the
+// recorded version, and an unseen write is still caught. A Function applied
+// inside another's forward, where grad is off, is bumped but not rebased:
+// its in-place output stays swap-only. Packs
 // made by apply after the forward (ctx.save_for_backward of x) wait for the
 // record's end too, like Note [Packed before recorded]. The Python recorder
 // does the same from the tracker's end callback (lineage.py's
@@ -177,7 +180,6 @@ struct ForwardWrite {
   std::shared_ptr<StorageLineage> lineage;
   at::Tensor tensor;
   int64_t version;  // after the recorded write
-  const torch::autograd::Node* grad_fn;
 };
 
 // One RecordFunction on this thread's stack.
@@ -186,6 +188,7 @@ struct Frame {
   bool silenced = false;  // this callback is off for the op's children (Note [Silenced children])
   bool function_forward = false;  // a custom Function's forward (Note [Custom Function forwards])
   bool compiled_region = false;   // ... that runs a compiled graph (Note [Compiled regions are not recorded])
+  int64_t sequence_nr = -1;       // ... whose record carries this sequence number (Note [Marked dirty by a Function])
   std::shared_ptr<OpNode> node;  // set while recording this op
   const OpInfo* info = nullptr;
   Clock::time_point start;
@@ -741,6 +744,7 @@ void begin_op(const at::RecordFunction& fn, size_t slot) {
     if (starts_function_forward(fn)) {
       t_frames[slot].function_forward = true;
       t_frames[slot].compiled_region = is_compiled_region(fn);
+      t_frames[slot].sequence_nr = fn.seqNr();
       enter_function_forward(t_frames[slot].compiled_region);
     }
     return;
@@ -850,13 +854,17 @@ Frame* enclosing_function_forward() {
 
 // A custom Function's record closes (Note [Marked dirty by a Function]).
 void end_function_forward(Frame& frame) {
+  // A forward that raised closes its record with its Python exception set;
+  // a plan query below (Python) must neither see nor clobber it.
+  std::optional<py::error_scope> raised;
+  if (PyGILState_Check() != 0) raised.emplace();
   RecorderState& s = state();
   Deferred deferred;  // Note [Recorder lock and the GIL]
   {
     std::lock_guard<std::recursive_mutex> lock(s.mutex);
     for (ForwardWrite& write : frame.forward_writes) {
       if (write.lineage->versions.back() == write.version && version_of(write.tensor) == write.version + 1 &&
-          torch::autograd::impl::grad_fn_unsafe(write.tensor) != write.grad_fn) {
+          rebased_onto_function(write.tensor, frame.sequence_nr)) {
         write.lineage->versions.back() = write.version + 1;
       }
     }
@@ -905,8 +913,7 @@ void record_op_end(RecorderState& s, const at::RecordFunction& fn, Frame& frame,
       target->versions.push_back(static_cast<int64_t>(tensor._version()));
       target->memo.clear();
       if (function != nullptr) {  // Note [Marked dirty by a Function]
-        function->forward_writes.push_back(
-            {target, tensor, target->versions.back(), torch::autograd::impl::grad_fn_unsafe(tensor)});
+        function->forward_writes.push_back({target, tensor, target->versions.back()});
       }
     }
   }

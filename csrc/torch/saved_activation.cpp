@@ -766,16 +766,21 @@ void bind_saved_activation(py::module_& m) {
   // storages of outputs a selective checkpoint's policy would recompute, on
   // this thread, held weakly (a Python storage object per output kept each
   // one referenced, so never evictable) until the region returns.
-  m.def("plan_drop_later", [](const at::Tensor& tensor) {
+  m.def("plan_drop_later", [](const at::Tensor& tensor, const std::vector<at::Tensor>& inputs) {
     if (!tensor.defined() || !tensor.has_storage()) return;
+    for (const at::Tensor& input : inputs) {
+      if (input.defined() && input.has_storage() && input.storage().is_alias_of(tensor.storage())) return;
+    }
     t_drop_later.emplace_back(
         c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(tensor.storage().unsafeGetStorageImpl()));
-  }, py::arg("tensor"), "Remember tensor's storage for plan_drop_remembered() (Note [Selective checkpoints as a plan])");
-  m.def("plan_drop_remembered", [] {
+  }, py::arg("tensor"), py::arg("inputs"),
+        "Remember tensor's storage for plan_drop_remembered(), unless it is one of the inputs' storages (the "
+        "op made no storage of its own; Note [Selective checkpoints as a plan])");
+  m.def("plan_drop_remembered", [](bool plan) {
     std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> remembered;
     remembered.swap(t_drop_later);
     Runtime* runtime = Runtime::get();
-    if (runtime == nullptr) return 0;
+    if (runtime == nullptr || !plan) return 0;
     std::vector<std::shared_ptr<StorageResidency>> entries;
     {
       std::lock_guard<std::mutex> lock(g_registry_mutex);
@@ -792,9 +797,10 @@ void bind_saved_activation(py::module_& m) {
     // pack after it, where planned drops otherwise happen.
     if (planned > 0) runtime->manager().drop_planned_now();
     return planned;
-  }, "plan_drop the live entries on the storages plan_drop_later() remembered on this thread, drop those "
-     "nothing else references, and forget the storages; returns how many were planned (Note [Selective "
-     "checkpoints as a plan])");
+  }, py::arg("plan"),
+     "plan_drop (when `plan`) the live entries on the storages plan_drop_later() remembered on this thread, "
+     "drop those nothing else references, and forget the storages; returns how many were planned (Note "
+     "[Selective checkpoints as a plan])");
 }
 
 }  // namespace membudget

@@ -78,8 +78,11 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
                and not _updates_running_statistics(function))
     policy = None
     if replace and context_fn is not _torch_checkpoint.noop_context_fn:
-        policy = _selective_policy(context_fn)
+        contexts = context_fn()
+        policy = _selective_policy(contexts)
         replace = policy is not None
+        if not replace:  # torch's, with the contexts made once, not twice
+            context_fn = lambda: contexts  # noqa: E731
     if not replace:
         original = original or getattr(_torch_checkpoint, _GENERATOR)
         yield from original(function, preserve_rng_state, context_fn, *args, **kwargs)
@@ -89,7 +92,11 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
         return
     plan = _PolicyAsPlan(policy)
     with plan:
-        yield
+        try:
+            yield
+        except BaseException:  # the region raised (thrown in by checkpoint(), or the generator closed)
+            plan.forget()
+            raise
     plan.drop_what_it_recomputes()
 
 
@@ -105,21 +112,22 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
 # ops it would recompute (not views or in-place results, which alias a
 # storage some other op made) are planned drops once the region returns,
 # so what stays resident is what the policy keeps, as under torch; the
-# budget can evict more, and every drop is replayed exactly. Recompute-only
-# ("swap" actions) plans nothing. The policy is read from the forward
-# context create_selective_checkpoint_contexts returns (its policy_fn); a
-# context_fn of any other shape stays torch's.
-def _selective_policy(context_fn):
-    """The policy of a selective checkpoint's ``context_fn``, or None."""
+# budget can evict more, and every drop is replayed exactly. Outputs on a
+# storage one of the op's inputs has (a view, an in-place result, or an op
+# that aliases without saying so: _unsafe_view after mm, unsafe_split) are
+# not planned: that storage is another op's, whose own answer stands. As in
+# torch's eager caching mode, every answer but MUST_SAVE and PREFER_SAVE
+# (the CPU offload ones too) means recompute, and the policy is asked about
+# every op torch's mode would ask about, in the same order. Swap-only
+# actions plan nothing. The policy is read from the forward context
+# create_selective_checkpoint_contexts returns (its policy_fn); a context_fn
+# of any other shape stays torch's.
+def _selective_policy(contexts):
+    """The policy of the contexts a selective checkpoint's ``context_fn``
+    made, or None for contexts of any other kind."""
     caching = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
-    if caching is None:
-        return None
-    try:
-        contexts = context_fn()
-    except Exception:  # not ours to judge: torch's checkpoint will call it and say what is wrong
-        return None
     forward = contexts[0] if isinstance(contexts, tuple) and len(contexts) == 2 else None
-    return getattr(forward, "policy_fn", None) if isinstance(forward, caching) else None
+    return getattr(forward, "policy_fn", None) if caching is not None and isinstance(forward, caching) else None
 
 
 class _PolicyAsPlan(TorchDispatchMode):
@@ -134,27 +142,39 @@ class _PolicyAsPlan(TorchDispatchMode):
         self._policy = policy
         self._native = load_extension()
         self._ignored = getattr(_torch_checkpoint, "SAC_IGNORED_OPS", set())
-        self._recompute = {_torch_checkpoint.CheckpointPolicy.MUST_RECOMPUTE,
-                           _torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE}
+        self._keep = {_torch_checkpoint.CheckpointPolicy.MUST_SAVE, _torch_checkpoint.CheckpointPolicy.PREFER_SAVE}
+        self._native.plan_drop_remembered(False)  # what a region that raised left
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while Dynamo traces, as torch's own caching mode and
+        LineageMode (Note [Compiled beside the mode] in lineage.py): a
+        compiled block inside the region still compiles."""
+        return True
 
     def drop_what_it_recomputes(self) -> int:
         """plan_drop the live entries on the remembered storages; how many."""
-        return self._native.plan_drop_remembered()
+        return self._native.plan_drop_remembered(True)
+
+    def forget(self) -> None:
+        """The region raised: plan nothing."""
+        self._native.plan_drop_remembered(False)
 
 
 def _plan_dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     out = func(*args, **kwargs)
-    if func in self._ignored or any(r.alias_info is not None for r in func._schema.returns):
-        return out  # a view or an in-place result: its storage is another op's
+    if func in self._ignored:
+        return out
     policy = self._policy(_context_for(out), func, *args, **kwargs)
     if isinstance(policy, bool):  # the older spelling: True keeps
         policy = (_torch_checkpoint.CheckpointPolicy.PREFER_SAVE if policy
                   else _torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
-    if policy in self._recompute:
+    if policy not in self._keep:
+        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         for leaf in tree_leaves(out):
             if type(leaf) is torch.Tensor:
-                self._native.plan_drop_later(leaf)
+                self._native.plan_drop_later(leaf, inputs)  # not if it aliases an input
     return out
 
 

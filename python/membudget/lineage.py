@@ -878,34 +878,41 @@ class Lineage:
         bumped once more as the Function returns (Note [Marked dirty by a
         Function] in csrc/torch/lineage_recorder.cpp)."""
         depth = self.native.lineage.function_forward_depth()
-        self.function_writes.setdefault(_get_ident(), []).append(
-            (depth, lineage, target, lineage.versions[-1], target.grad_fn))
+        self.function_writes.setdefault(_get_ident(), []).append((depth, lineage, target, lineage.versions[-1]))
         self.native.lineage.settle_at_function_end()
 
-    def settle_function_writes(self, depth: int) -> bool:
+    def settle_function_writes(self, depth: int, sequence_nr: int) -> bool:
         """Called by the native tracker as a custom Function's record closes,
-        with ``depth`` Function forwards still open on this thread: a write
-        its forward made whose tensor autograd has since bumped exactly once
-        and given a new grad_fn (``ctx.mark_dirty``) takes that version as
-        its own; the packs that waited for it are declared. Returns whether
-        writes of outer forwards still wait (Note [Marked dirty by a
-        Function] in csrc/torch/lineage_recorder.cpp)."""
+        with ``depth`` Function forwards still open on this thread and the
+        record's ``sequence_nr``: a write its forward made whose tensor
+        autograd has since bumped exactly once and rebased onto this
+        Function's node (``ctx.mark_dirty``) takes that version as its own;
+        the packs that waited for it are declared, those waiting for an
+        outer forward's write wait on. Returns whether writes of outer
+        forwards still wait (Note [Marked dirty by a Function] in
+        csrc/torch/lineage_recorder.cpp)."""
         ident = _get_ident()
         waiting, settled = [], []
         for write in self.function_writes.pop(ident, ()):
             (waiting if write[0] <= depth else settled).append(write)
-        for _, lineage, target, version, grad_fn in settled:
-            if lineage.versions[-1] == version and target._version == version + 1 and target.grad_fn is not grad_fn:
+        rebased = self.native.lineage.rebased_onto_function
+        for _, lineage, target, version in settled:
+            if lineage.versions[-1] == version and target._version == version + 1 and rebased(target, sequence_nr):
                 lineage.versions[-1] = version + 1
         if waiting:
             self.function_writes[ident] = waiting
-        packs = self.function_packs.pop(ident, ())
+        packs, still = self.function_packs.pop(ident, ()), []
         for lineage, handle_ref in packs:
+            if any(write[1] is lineage for write in waiting):
+                still.append((lineage, handle_ref))
+                continue
             handle = handle_ref()  # None: the entry is gone
             if handle is not None and lineage.entry_id is None and at_last_version(lineage, handle.version):
                 lineage.entry_id = handle.entry_id
                 self.by_entry[handle.entry_id] = lineage
                 self._declare(handle.entry_id, lineage)
+        if still:
+            self.function_packs[ident] = still
         return bool(waiting)
 
     def _waits_for_function(self, lineage: StorageLineage) -> bool:
