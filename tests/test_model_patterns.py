@@ -10,7 +10,8 @@ Hardswish, top-2 mixture-of-experts routing (``nonzero``: shapes that
 depend on the data), convolutions with reflect padding, groups, GroupNorm,
 interpolation, a transposed convolution and ``grid_sample``, and Fourier
 mixing with ``rfft``/``irfft`` and complex weights beside Cholesky, QR,
-``solve``, ``cumsum`` and ``cumprod``. Under a budget that forces eviction, each trains
+``solve``, ``cumsum`` and ``cumprod``; frozen int8 weights with low-rank
+adapters, and a graph run backward twice (``retain_graph=True``). Under a budget that forces eviction, each trains
 as plain PyTorch does, bit for bit, within the budget, under each lineage
 recorder, recompute-only and with both actions.
 
@@ -222,12 +223,50 @@ class FourierAndLinalg(nn.Module):
         return torch.cat([x, (torch.linalg.cholesky(gram) @ mixed).reshape(ROWS, 16)], 1)
 
 
+class LowRankAdapters(nn.Module):
+    """Frozen int8 weights dequantised in every forward, trainable low-rank
+    adapters beside them with dropout (QLoRA's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("weights", torch.randint(-127, 128, (4, WIDTH, WIDTH), dtype=torch.int8))
+        self.register_buffer("scales", torch.rand(4, WIDTH, 1) / 200)
+        self.down = nn.Parameter(torch.randn(4, 8, WIDTH) / 16)
+        self.up = nn.Parameter(torch.full((4, WIDTH, 8), 0.01))
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for i in range(4):
+            frozen = F.linear(x, self.weights[i].float() * self.scales[i])
+            x = F.gelu(frozen + F.linear(F.linear(self.dropout(x), self.down[i]), self.up[i]))
+        return x
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.1))])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
 def _batch():
     return (torch.randn(ROWS, WIDTH),)
 
 
 def _loss(model, inputs):
     return model(inputs[0]).square().mean()
+
+
+def _backward_twice(model, optimizer) -> float:
+    """backward(retain_graph=True), then backward again over the same graph."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = _loss(model, _batch())
+    loss.backward(retain_graph=True)
+    (loss * 0.5).backward()
+    optimizer.step()
+    return loss.item()
 
 
 def _accumulate_and_clip(model, optimizer) -> float:
@@ -258,6 +297,8 @@ CASES = {
     "top_two_experts": (TopTwoExperts, 0.8, None),
     "convolutions_and_warps": (ConvolutionsAndWarps, 0.7, None),
     "fourier_and_linalg": (FourierAndLinalg, 0.7, None),
+    "low_rank_adapters": (LowRankAdapters, 0.5, None),
+    "backward_twice": (Mlp, 0.7, _backward_twice),
 }
 
 
