@@ -24,20 +24,24 @@ MIN_TENSOR_BYTES = 16 * 1024
 TORCH_GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
 
 
-def _checkpointed_gpt2():
+def _checkpointed_gpt2(**checkpoint_kwargs):
     work = gpt2()
 
     def build():
         model = work.build()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           **checkpoint_kwargs})
         return model
 
     return work, build
 
 
 @pytest.mark.usefixtures("lineage_recorder")
-def test_checkpointed_model_trains_under_half_its_peak():
-    work, build = _checkpointed_gpt2()
+@pytest.mark.parametrize("selective", [False, True], ids=["whole_blocks", "selective"])
+def test_checkpointed_model_trains_under_half_its_peak(selective):
+    # selective: transformers hands context_fn to torch.utils.checkpoint, a
+    # policy keeping matrix products (Note [Selective checkpoints as a plan]).
+    work, build = _checkpointed_gpt2(**({"context_fn": _save_matmuls} if selective else {}))
     reference = run_plain(build, work.batch, work.loss, STEPS)
     unbudgeted = run_managed(build, work.batch, work.loss, STEPS, budget=None, min_tensor_bytes=MIN_TENSOR_BYTES)
     budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
@@ -54,6 +58,7 @@ def test_checkpointed_model_trains_under_half_its_peak():
     assert_identical(reference, managed)
     assert managed.stats["reserved_bytes.all.peak"] <= budget
     assert managed.stats["swap_out_bytes"] > 0 or managed.stats["recompute_count"] > 0
+    assert managed.stats["planned_drops"] > 0 if selective else managed.stats["planned_drops"] == 0
     assert torch_checkpoint._checkpoint_without_reentrant_generator is TORCH_GENERATOR
 
 
@@ -109,7 +114,7 @@ def _selective_context():
 
 def _matmuls_saved(ctx, op, *args, **kwargs):
     """A selective checkpointing policy: keep matrix products, recompute the rest."""
-    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE if keep else torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
