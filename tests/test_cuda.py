@@ -526,3 +526,96 @@ def test_recompute_ahead_on_a_side_stream_is_exact(lineage_recorder):
         assert managed["recomputes"] > 0 and managed["ooms"] == 0
     assert off["ahead"] == 0
     assert ahead["ahead"] > 0, "nothing was recomputed ahead on the side stream"
+
+
+SELECTIVE_AND_DIRTIED = """
+    import functools, hashlib, json, os, sys, torch
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import torch.utils.checkpoint as tc
+    import membudget
+    mode = sys.argv[1]  # plain | managed
+    if mode == "managed":
+        membudget.install(budget=int(sys.argv[2]), actions="recompute", min_tensor_bytes="1MiB")
+
+    class ScaleInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.mark_dirty(x)
+            ctx.save_for_backward(scale)
+            return x.mul_(scale)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (scale,) = ctx.saved_tensors
+            return grad * scale, None
+
+    def keep_matmuls(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return tc.CheckpointPolicy.MUST_SAVE if keep else tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024)
+            self.drop = torch.nn.Dropout(0.1)
+            self.register_buffer("scale", torch.full((2048,), 0.9))
+
+        def forward(self, x, dirtied):
+            h = torch.nn.functional.gelu(self.up(x)) * 1.0
+            if dirtied:
+                h = ScaleInPlace.apply(h, self.scale)
+            return self.down(self.drop(h))
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Block() for _ in range(6)).cuda()
+    optimizer = torch.optim.SGD(blocks.parameters(), lr=1e-3)
+    context = functools.partial(tc.create_selective_checkpoint_contexts, keep_matmuls)
+    x = torch.randn(16384, 1024, device="cuda")  # 64 MiB; a block's hidden 128 MiB
+    losses = []
+    for _ in range(3):
+        h = x
+        for i, block in enumerate(blocks):
+            if i % 2 == 0:  # selective checkpointing (Note [Selective checkpoints as a plan])
+                h = h + tc.checkpoint(block, h, False, use_reentrant=False, context_fn=context)
+            else:  # a Function writing in place (Note [Marked dirty by a Function])
+                h = h + block(h, True)
+        loss = h.square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    digest = hashlib.sha256()
+    for p in blocks.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    out = {"losses": losses, "params": digest.hexdigest()}
+    if mode == "managed":
+        stats = membudget.memory_stats()
+        out.update(peak=stats["reserved_bytes.all.peak"], budget=stats["budget_bytes"],
+                   recomputes=stats["recompute_count"], planned=stats["planned_drops"], ooms=stats["num_ooms"])
+    else:
+        out.update(peak=torch.cuda.max_memory_reserved())
+    print(json.dumps(out))
+"""
+
+
+@requires_cuda
+def test_selective_checkpoints_and_dirtied_outputs_recompute_exactly(lineage_recorder):
+    """Session 40's two rules on CUDA, recompute-only at 70% of the plain
+    run's peak: selective checkpoint regions run under their policy as a
+    plan (planned drops), and a Function's in-place output (ctx.mark_dirty)
+    is replayed; losses and parameters are bit-identical to plain PyTorch's
+    run of the same model with torch's own selective checkpoint."""
+    def run(*args):
+        code = "import sys; sys.argv[1:] = %r\n" % (list(args),) + textwrap.dedent(SELECTIVE_AND_DIRTIED)
+        return last_json_line(run_python(code, timeout=300))
+
+    plain = run("plain")
+    budget = int(plain["peak"] * 0.7)
+    managed = run("managed", str(budget))
+    assert managed["losses"] == plain["losses"]
+    assert managed["params"] == plain["params"]
+    assert managed["peak"] <= managed["budget"] == budget
+    assert managed["planned"] > 0 and managed["recomputes"] > 0 and managed["ooms"] == 0
