@@ -11,7 +11,9 @@ depend on the data), convolutions with reflect padding, groups, GroupNorm,
 interpolation, a transposed convolution and ``grid_sample``, and Fourier
 mixing with ``rfft``/``irfft`` and complex weights beside Cholesky, QR,
 ``solve``, ``cumsum`` and ``cumprod``; frozen int8 weights with low-rank
-adapters, and a graph run backward twice (``retain_graph=True``). Under a budget that forces eviction, each trains
+adapters, a graph run backward twice (``retain_graph=True``), stochastic
+depth with its mask filled in place (``bernoulli_``), and MAE's random
+token masking. Under a budget that forces eviction, each trains
 as plain PyTorch does, bit for bit, within the budget, under each lineage
 recorder, recompute-only and with both actions.
 
@@ -242,6 +244,42 @@ class LowRankAdapters(nn.Module):
         return x
 
 
+class DropPath(nn.Module):
+    """Residual blocks under stochastic depth as timm writes it: a per-sample
+    mask filled in place (``new_empty(...).bernoulli_``) and scaled in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                                  nn.Linear(2 * WIDTH, WIDTH)) for _ in range(4))
+
+    def forward(self, x):
+        x = x.view(ROWS // 16, 16, WIDTH)
+        for block in self.blocks:
+            mask = x.new_empty((x.shape[0], 1, 1)).bernoulli_(0.8)
+            x = x + block(x) * mask.div_(0.8)
+        return x.reshape(ROWS, WIDTH)
+
+
+class RandomMasking(nn.Module):
+    """MAE's masking: half the tokens of each sample kept at random
+    (``rand``, ``argsort``, ``gather``), encoded, and put back in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+        self.decoder = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        samples = ROWS // 16
+        x = x.view(samples, 16, WIDTH)
+        shuffle = torch.argsort(torch.rand(samples, 16), dim=1)
+        restore = torch.argsort(shuffle, dim=1)
+        latent = self.encoder(torch.gather(x, 1, shuffle[:, :8, None].expand(-1, -1, WIDTH)))
+        full = torch.cat([latent, torch.zeros(samples, 8, WIDTH)], 1)
+        return self.decoder(torch.gather(full, 1, restore[:, :, None].expand(-1, -1, WIDTH))).reshape(ROWS, WIDTH)
+
+
 class Mlp(nn.Module):
     def __init__(self):
         super().__init__()
@@ -299,6 +337,8 @@ CASES = {
     "fourier_and_linalg": (FourierAndLinalg, 0.7, None),
     "low_rank_adapters": (LowRankAdapters, 0.5, None),
     "backward_twice": (Mlp, 0.7, _backward_twice),
+    "drop_path": (DropPath, 0.9, None),
+    "random_masking": (RandomMasking, 0.8, None),
 }
 
 
