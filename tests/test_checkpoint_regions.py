@@ -274,3 +274,44 @@ def test_a_selective_policy_keeps_products_an_aliasing_op_returns():
     finally:
         membudget.uninstall()
     assert states == ["dropped", "resident"], states
+
+
+class _NestedRegion(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                         torch.nn.Linear(256, 64))
+
+    def forward(self, x):
+        return x + torch_checkpoint.checkpoint(self.inner, x, use_reentrant=False, context_fn=_save_matmuls)
+
+
+class _NestedSelective(torch.nn.Module):
+    """Selective checkpoint regions inside selective checkpoint regions."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), _NestedRegion(), _NestedRegion())
+            for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch_checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=_save_matmuls)
+        return x
+
+
+@pytest.mark.usefixtures("lineage_recorder")
+@pytest.mark.parametrize("actions", ["both", "recompute"])
+def test_nested_selective_checkpoints_train_exactly_under_half_their_peak(actions):
+    # An inner region plans, as it returns, what the outer one remembered so
+    # far too (Note [Selective checkpoints as a plan]).
+    reference = run_plain(_NestedSelective, _selective_batch, _selective_loss, STEPS)
+    unbudgeted = run_managed(_NestedSelective, _selective_batch, _selective_loss, STEPS, budget=None,
+                             min_tensor_bytes=0)
+    budget = unbudgeted.stats["reserved_bytes.all.peak"] // 2
+    managed = run_managed(_NestedSelective, _selective_batch, _selective_loss, STEPS, budget=budget,
+                          min_tensor_bytes=0, actions=actions)
+    assert_identical(reference, managed)
+    assert managed.stats["reserved_bytes.all.peak"] <= budget
+    assert managed.stats["planned_drops"] > 0 and managed.stats["recompute_count"] > 0

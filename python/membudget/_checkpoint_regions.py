@@ -105,21 +105,22 @@ def _plain_region(function, preserve_rng_state, context_fn, *args, **kwargs):
 # user's policy, op by op, whether to keep an output (MUST_SAVE, PREFER_SAVE)
 # or to recompute it in backward; what it keeps is held in its own cache and
 # everything else in its frame while backward re-runs the region, none of
-# which membudget can evict. A model checkpointed so trained at 90% of its
-# own peak no better than at its peak ("evictable 0 B": session 40's probe,
+# which membudget can evict. A model checkpointed so fitted no budget below
+# 90% of its own peak ("evictable 0 B": session 40's probe,
 # bench/RESULTS.md). Under a budget the region now runs as plain code, as a
 # default region does, and the policy becomes a plan: the outputs of the
-# ops it would recompute (not views or in-place results, which alias a
-# storage some other op made) are planned drops once the region returns,
-# so what stays resident is what the policy keeps, as under torch; the
-# budget can evict more, and every drop is replayed exactly. Outputs on a
+# ops it would recompute are planned drops once the region returns, so what
+# stays resident is what the policy keeps, as under torch; the budget can
+# evict more, and every drop is replayed exactly. Outputs on a
 # storage one of the op's inputs has (a view, an in-place result, or an op
 # that aliases without saying so: _unsafe_view after mm, unsafe_split) are
 # not planned: that storage is another op's, whose own answer stands. As in
 # torch's eager caching mode, every answer but MUST_SAVE and PREFER_SAVE
 # (the CPU offload ones too) means recompute, and the policy is asked about
 # every op torch's mode would ask about, in the same order. Swap-only
-# actions plan nothing. The policy is read from the forward context
+# actions plan nothing. A region nested in another plans, as it returns,
+# what the outer one remembered so far too (dropped early only if nothing
+# holds it any more). The policy is read from the forward context
 # create_selective_checkpoint_contexts returns (its policy_fn); a context_fn
 # of any other shape stays torch's.
 def _selective_policy(contexts):
@@ -143,7 +144,6 @@ class _PolicyAsPlan(TorchDispatchMode):
         self._native = load_extension()
         self._ignored = getattr(_torch_checkpoint, "SAC_IGNORED_OPS", set())
         self._keep = {_torch_checkpoint.CheckpointPolicy.MUST_SAVE, _torch_checkpoint.CheckpointPolicy.PREFER_SAVE}
-        self._native.plan_drop_remembered(False)  # what a region that raised left
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -157,7 +157,8 @@ class _PolicyAsPlan(TorchDispatchMode):
         return self._native.plan_drop_remembered(True)
 
     def forget(self) -> None:
-        """The region raised: plan nothing."""
+        """The region raised: plan nothing (an enclosing region's storages
+        remembered so far are forgotten too, which only plans less)."""
         self._native.plan_drop_remembered(False)
 
 
