@@ -781,14 +781,13 @@ void bind_saved_activation(py::module_& m) {
     remembered.swap(t_drop_later);
     Runtime* runtime = Runtime::get();
     if (runtime == nullptr || !plan) return 0;
+    // Held until the drops below are done, as the entries they name.
     std::vector<std::shared_ptr<StorageResidency>> entries;
-    {
-      std::lock_guard<std::mutex> lock(g_registry_mutex);
-      for (const auto& storage : remembered) {
-        if (storage.expired()) continue;  // the weak reference keeps the address from naming another
-        auto it = g_registry.find(storage._unsafe_get_target());
-        if (it == g_registry.end()) continue;
-        if (std::shared_ptr<StorageResidency> entry = it->second.lock()) entries.push_back(std::move(entry));
+    for (const auto& weak : remembered) {
+      c10::intrusive_ptr<c10::StorageImpl> storage = weak.lock();
+      if (!storage) continue;  // freed since: no entry
+      if (std::shared_ptr<StorageResidency> entry = entry_of_storage(c10::Storage(std::move(storage)))) {
+        entries.push_back(std::move(entry));
       }
     }
     int planned = 0;

@@ -903,7 +903,7 @@ class Lineage:
             self.function_writes[ident] = waiting
         packs, still = self.function_packs.pop(ident, ()), []
         for lineage, handle_ref in packs:
-            if any(write[1] is lineage for write in waiting):
+            if self._waits_for_function(lineage):  # on an outer forward's write
                 still.append((lineage, handle_ref))
                 continue
             handle = handle_ref()  # None: the entry is gone
