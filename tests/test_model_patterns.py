@@ -13,7 +13,7 @@ mixing with ``rfft``/``irfft`` and complex weights beside Cholesky, QR,
 ``solve``, ``cumsum`` and ``cumprod``; frozen int8 weights with low-rank
 adapters, a graph run backward twice (``retain_graph=True``), stochastic
 depth with its mask filled in place (``bernoulli_``), and MAE's random
-token masking. Under a budget that forces eviction, each trains
+token masking, and blocks compiled by TorchScript. Under a budget that forces eviction, each trains
 as plain PyTorch does, bit for bit, within the budget, under each lineage
 recorder, recompute-only and with both actions.
 
@@ -280,6 +280,22 @@ class RandomMasking(nn.Module):
         return self.decoder(torch.gather(full, 1, restore[:, :, None].expand(-1, -1, WIDTH))).reshape(ROWS, WIDTH)
 
 
+class ScriptedBlocks(nn.Module):
+    """Linear-GELU-Dropout blocks compiled by ``torch.jit.script``: the
+    TorchScript interpreter runs their ops (differentiable graphs once
+    profiled, which attach the autograd history after their ops ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(torch.jit.script(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(),
+                                                                   nn.Dropout(0.1))) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 class Mlp(nn.Module):
     def __init__(self):
         super().__init__()
@@ -339,6 +355,7 @@ CASES = {
     "backward_twice": (Mlp, 0.7, _backward_twice),
     "drop_path": (DropPath, 0.9, None),
     "random_masking": (RandomMasking, 0.8, None),
+    "scripted_blocks": (ScriptedBlocks, 0.8, None),
 }
 
 

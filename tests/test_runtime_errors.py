@@ -217,6 +217,45 @@ def test_a_backward_that_raises_leaves_no_graph_queued(lineage_recorder, budget,
     membudget.uninstall()
 
 
+def _scripted_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[torch.jit.script(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Dropout(0.1)))
+                           for _ in range(3)])
+
+
+@pytest.mark.parametrize("actions", ["recompute", "both"])
+def test_a_scripted_model_that_failed_in_backward_leaves_no_entry(lineage_recorder, actions):
+    # Note [Held without their graph]: TorchScript's differentiable graphs
+    # attach the autograd history after their ops ran, so inputs the
+    # recorders held without a grad_fn had one by the end of the forward.
+    # After a backward that raised (first seen as an out-of-memory error in
+    # a recompute at half the model's peak; injected here), that input held
+    # the graph, the graph its saved activations, and their entries' lineage
+    # the input: 8 entries stayed alive after uninstall(), either recorder.
+    model = _scripted_blocks()
+    x = torch.randn(1024, 256)
+    membudget.install(budget=64 * MiB, min_tensor_bytes=64 * 1024, actions=actions)
+    native = load_extension()
+    for _ in range(3):  # TorchScript's profiling runs, then its differentiable graphs
+        model(x).square().mean().backward()
+    gc.collect()
+    assert not native.live_entry_ids()
+
+    def out_of_memory(grad):
+        raise torch.OutOfMemoryError("injected: out of memory in backward")
+
+    failing = model(x)
+    failing.register_hook(out_of_memory)
+    assert native.live_entry_ids()
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        failing.square().mean().backward()
+    del failing
+    membudget.uninstall()
+    gc.collect()
+    assert not native.live_entry_ids(), entry_holders()
+    assert not native.any_entry_saved_for_backward()
+
+
 def test_retries_after_out_of_memory_do_not_pile_up_held_inputs(lineage_recorder):
     # Note [A forward that ran out of memory]: a forward began only once
     # backward had run, so a batch-size finder's retries were recorded as

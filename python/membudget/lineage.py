@@ -272,22 +272,18 @@ class ExternalLineage:
     csrc/torch/lineage_recorder.cpp): ``tensor`` is then None, ``handle``
     reads the tensor's version counter and keeps the entry alive, and
     ``weak`` tells whether the id keying :attr:`Lineage.externals` is still
-    this tensor's. A tensor an autograd op made is held without its graph
-    (``tensor`` is then its data under the same version counter, ``weak``
-    the tensor: Note [Held without their graph] in
-    csrc/torch/lineage_recorder.cpp), so that a forward that raised leaves
-    nothing allocated."""
+    this tensor's. The tensor is held without its autograd metadata, which
+    can gain a graph after the read (``tensor`` is then its data under the
+    same version counter, ``weak`` the tensor: Note [Held without their
+    graph] in csrc/torch/lineage_recorder.cpp), so that a forward that raised
+    leaves nothing allocated."""
 
     __slots__ = ("tensor", "key", "handle", "weak", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, without_graph=None):
         self.handle = None
-        if without_graph is not None and tensor.grad_fn is not None:
-            self.tensor = without_graph(tensor)
-            self.weak = weakref.ref(tensor)
-        else:
-            self.tensor = tensor
-            self.weak = None
+        self.tensor = tensor if without_graph is None else without_graph(tensor)
+        self.weak = None if self.tensor is tensor else weakref.ref(tensor)
         # Its storage address when first read in this forward (externals are
         # renewed every forward): what replay.rescue_dependents_of matches
         # writes against, computed once instead of at every pack that reads it.
