@@ -535,12 +535,22 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // entries (1.6 MiB at half its peak, either recorder) alive after
 // uninstall(): held input -> its new grad_fn -> saved activations -> their
 // entries -> the lineage holding that input. Inference tensors (no autograd
-// metadata, no version counter) and tensor subclasses without a grad_fn
-// (their tensor_data() would call back into Python's detach) stay as they are.
+// metadata, no version counter) stay as they are, and so do tensor
+// subclasses without a grad_fn: their tensor_data() calls their Python
+// detach. A plain tensor's copy must not reach Python either: with a
+// TorchDispatchMode on the stack, shallow_copy_and_detach asks the mode's
+// detach unless the Python key is excluded. Without the exclusion, a first
+// version of this change failed inside selective checkpoint regions (whose
+// mode is on the stack as their ops run): "detach returned invalid type
+// float" in the C++ recorder's op callback, the op's record lost, and a
+// GPT-2 under a selective policy out of memory at half its peak.
 at::Tensor held_without_graph(const at::Tensor& tensor, External* held) {
   if (!tensor.defined() || tensor.is_inference()) return tensor;
-  if (tensor.grad_fn() == nullptr && tensor.unsafeGetTensorImpl()->is_python_dispatch()) return tensor;
+  const bool subclass = tensor.unsafeGetTensorImpl()->is_python_dispatch();
+  if (subclass && tensor.grad_fn() == nullptr) return tensor;
   if (held != nullptr) held->impl.emplace(tensor.getIntrusivePtr());
+  if (subclass) return tensor.tensor_data();
+  c10::impl::ExcludeDispatchKeyGuard no_python(c10::DispatchKey::Python);
   return tensor.tensor_data();
 }
 
