@@ -16,15 +16,19 @@ plain one (bench/RESULTS.md, "Lead, session 23"):
   cells split their gates with ``unsafe_chunk`` (Note [One history per
   storage]);
 * ``mlp``: a plain stack of linear layers with dropout, for reference;
+* ``scripted``: the same stack with each Linear-GELU-Dropout block compiled
+  by ``torch.jit.script`` (TorchScript's differentiable graphs save and
+  unpack a block's activations together; session 41);
 * ``rnncell``: an ``nn.RNNCell`` (width 256, batch 32) unrolled 128 steps: a
   chain of 128 hidden states, each read by the replay of the next (Note
   [Dropped ancestors rebuilt in order]; session 25);
 * ``rrelu``: six ``Linear(256, 256)`` + ``RReLU`` blocks, whose noise is an
   empty tensor the op it is saved for fills (Note [An empty tensor its first
   writer fills], Note [Packed before its first write]; session 37);
-* ``gpt2``, ``llama``, ``t5``, ``vit``: transformers models from the tests'
-  small configs (``tests/models.py``, dropout 0.1; not in the default list:
-  each takes minutes to bisect).
+* ``gpt2``, ``llama``, ``t5``, ``vit``, ``mixtral``, ``mamba``, ``deberta``:
+  transformers models from the tests' small configs (``tests/models.py``,
+  dropout 0.1 where they have it; not in the default list: each takes
+  minutes to bisect).
 
 Each probe (model, recorder, action, budget) runs 3 seeded training steps in
 a fresh process and reports whether it fitted and whether its losses and
@@ -127,6 +131,10 @@ def _models():
             layers += [nn.Linear(256, 256), nn.GELU(), nn.Dropout(0.1)]
         return nn.Sequential(*layers, nn.Linear(256, 10))
 
+    def scripted():
+        blocks = [torch.jit.script(nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Dropout(0.1))) for _ in range(6)]
+        return nn.Sequential(*blocks, nn.Linear(256, 10))
+
     def classify(model, inputs):
         x, y = inputs
         return nn.functional.cross_entropy(model(x), y)
@@ -150,11 +158,15 @@ def _models():
         "llama": lambda: transformers_model("llama"),
         "t5": lambda: transformers_model("t5"),
         "vit": lambda: transformers_model("vit"),
+        "mixtral": lambda: transformers_model("mixtral"),
+        "mamba": lambda: transformers_model("mamba"),
+        "deberta": lambda: transformers_model("deberta"),
         "rrelu": lambda: (rrelu, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "functions": lambda: (Functions, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "dirtied": lambda: (Dirtied, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "gru": lambda: (Gru, lambda: (torch.randint(0, 500, (32, 64)),), lambda m, i: m(i[0]).square().mean()),
         "mlp": lambda: (mlp, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
+        "scripted": lambda: (scripted, lambda: (torch.randn(512, 256), torch.randint(0, 10, (512,))), classify),
         "rnncell": lambda: (RnnCell, lambda: (torch.randn(32, 128, 64), torch.randint(0, 10, (32,))), classify),
     }
 

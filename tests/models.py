@@ -1,7 +1,7 @@
-"""Models nobody here wrote (transformers GPT-2, BERT, Llama, T5 and ViT from
-small configs, no weights downloaded) and an nn.LSTM language model, each with
-a seeded batch maker and a loss function, sized so that activations dominate
-memory."""
+"""Models nobody here wrote (transformers GPT-2, BERT, Llama, T5, ViT,
+Mixtral, Mamba and DeBERTa-v2 from small configs, no weights downloaded) and
+an nn.LSTM language model, each with a seeded batch maker and a loss
+function, sized so that activations dominate memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,6 +90,40 @@ def t5(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) ->
     config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=256, num_layers=layers, num_heads=4,
                       dropout_rate=dropout, decoder_start_token_id=0)
     return _language_model("t5", lambda: T5ForConditionalGeneration(config), batch, seq)
+
+
+def mixtral(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    """A sparse mixture of experts: top-2 of 4 experts per token, rows picked
+    by the router (index_add_ of the experts' outputs), and the router's
+    auxiliary loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=seq, attention_dropout=dropout, output_router_logits=True)
+    return _language_model("mixtral", lambda: MixtralForCausalLM(config), batch, seq)
+
+
+def mamba(batch: int = 8, seq: int = 128, layers: int = 2) -> Workload:
+    """A state-space model on transformers' reference path (no fused
+    kernels here): a causal depthwise convolution, then a selective scan
+    that loops over the sequence, one small step per token."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=layers, expand=2)
+    return _language_model("mamba", lambda: MambaForCausalLM(config), batch, seq)
+
+
+def deberta(batch: int = 8, seq: int = 128, layers: int = 2, dropout: float = 0.1) -> Workload:
+    """DeBERTa-v2: disentangled attention (content-to-position and
+    position-to-content scores gathered from relative positions)."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    config = DebertaV2Config(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                             intermediate_size=256, max_position_embeddings=seq, relative_attention=True,
+                             pos_att_type=["p2c", "c2p"], hidden_dropout_prob=dropout,
+                             attention_probs_dropout_prob=dropout)
+    return _language_model("deberta", lambda: DebertaV2ForMaskedLM(config), batch, seq)
 
 
 def vit(batch: int = 16, image: int = 64, layers: int = 2, dropout: float = 0.1) -> Workload:

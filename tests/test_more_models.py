@@ -1,23 +1,26 @@
-"""Three more architectures nobody here wrote, beyond GPT-2 and BERT: a
+"""Six more architectures nobody here wrote, beyond GPT-2 and BERT: a
 current decoder (Llama: rotary positions, grouped-query attention, RMSNorm,
 SiLU-gated MLP), an encoder-decoder (T5: relative position bias,
-cross-attention) and a vision transformer (ViT: a convolutional patch
-embedding), each with dropout 0.1. Under half their unmanaged peak, swapping
-only and recomputing only (under each lineage recorder), training must give
-plain PyTorch's losses and parameters bit for bit within the budget, and the
-action must actually have been taken. Their ops, views and random ops are
-what the lineage recorder and the replays have to get right."""
+cross-attention), a vision transformer (ViT: a convolutional patch
+embedding), a sparse mixture of experts (Mixtral: top-2 routing), a
+state-space model (Mamba: a selective scan looping over the sequence) and
+disentangled attention (DeBERTa-v2), dropout 0.1 where they have it. Under
+half their unmanaged peak, swapping only and recomputing only (under each
+lineage recorder), training must give plain PyTorch's losses and parameters
+bit for bit within the budget, and the action must actually have been taken.
+Their ops, views and random ops are what the lineage recorder and the
+replays have to get right."""
 import pytest
 
-from models import llama, t5, vit
+from models import deberta, llama, mamba, mixtral, t5, vit
 from training import assert_identical, reference_and_half_peak, run_managed
 
 pytestmark = pytest.mark.requires_native
 
 STEPS = 3
 MIN_TENSOR_BYTES = 16 * 1024
-WORKLOADS = [llama, t5, vit]
-IDS = ["llama", "t5", "vit"]
+WORKLOADS = [llama, t5, vit, mixtral, mamba, deberta]
+IDS = ["llama", "t5", "vit", "mixtral", "mamba", "deberta"]
 
 
 def _under_half_the_peak(make_workload, actions: str):
