@@ -254,3 +254,40 @@ def test_recording_goes_on_after_a_recorded_op_raises():
     names = recorder.trace(False)
     assert "aten::mul.Tensor" in names and "aten::relu.default" in names
     assert recorder.describe(y) is not None
+
+
+def test_held_inputs_are_their_data_without_autograd_metadata():
+    # Note [Held without their graph] (csrc/torch/lineage_recorder.cpp).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    held_without_graph = load_extension().lineage.held_without_graph
+    parameter = nn.Parameter(torch.randn(4, 4))
+    assert held_without_graph(parameter) is parameter  # follows `p.data = ...`; no weak reference needed
+    with torch.inference_mode():
+        inference = torch.randn(4)
+    assert held_without_graph(inference) is inference
+
+    batch = torch.randn(4, 4)
+    held = held_without_graph(batch)
+    assert held is not batch and held.data_ptr() == batch.data_ptr()
+    with torch.no_grad():
+        batch.add_(1)
+    assert held._version == batch._version == 1  # one version counter: unseen writes still show
+    batch.mul_(parameter)  # TorchScript-like: the read tensor gains a graph afterwards
+    assert batch.grad_fn is not None and held.grad_fn is None and not held.requires_grad
+
+    made = parameter * 2
+    assert held_without_graph(made).grad_fn is None
+
+    class CountsCalls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with CountsCalls() as mode:
+        held = held_without_graph(made)
+    assert mode.calls == [] and held.grad_fn is None  # the copy never asked the mode (selective checkpoints)

@@ -657,3 +657,23 @@ def test_a_forward_that_raises_after_rrelu_keeps_no_noise(lineage_recorder):
     failing[0] = False
     model(x).sum().backward()
     membudget.uninstall()
+
+
+def test_parameters_swap_while_a_forward_is_held_python_recorder(python_lineage):
+    # Note [Held without their graph]: the Python recorder holds a parameter
+    # as itself, with no weak reference, which torch.utils.swap_tensors
+    # refuses: module.to() under swap_module_params_on_conversion (and for
+    # subclass parameters) works after a forward whose inputs are still
+    # held. The C++ recorder holds a second reference to the parameter,
+    # which swap_tensors refuses too; that is open.
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    membudget.install(budget=64 * MiB, min_tensor_bytes=4096, actions="recompute")
+    model(torch.randn(512, 256)).square().mean()  # forward only: its inputs stay held
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+        membudget.uninstall()
+    assert all(p.dtype == torch.float64 for p in model.parameters())

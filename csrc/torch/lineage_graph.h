@@ -48,12 +48,17 @@ struct StorageLineage;
 
 // A tensor no recorded op produced (a parameter, the batch): held, not rebuilt.
 struct External {
-  at::Tensor tensor;  // undefined once held through its entry
+  // The tensor's data without its autograd metadata, or the tensor itself
+  // (a parameter, an inference tensor: Note [Held without their graph] in
+  // lineage_recorder.cpp); undefined once held through its entry.
+  at::Tensor tensor;
   uintptr_t key = 0;  // storage address when first read this forward
   // Note [Held inputs reached through their entry] (lineage_recorder.cpp):
   // once the tensor's storage is a managed entry, the entry is held instead
-  // of the tensor, with the tensor's version counter, and the TensorImpl
-  // weakly (its address, the key of RecorderState::externals, is not reused).
+  // of the tensor, with the tensor's version counter. `impl` holds the
+  // original TensorImpl weakly whenever `tensor` is not it (held without its
+  // graph, or through its entry), so that its address, the key of
+  // RecorderState::externals, is not reused while this is mapped.
   std::shared_ptr<StorageResidency> entry;
   c10::VariableVersion version;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;

@@ -531,21 +531,32 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // TorchScript's differentiable graphs run their ops without grad and attach
 // the history afterwards: of the seven tensors a scripted Linear-GELU-Dropout
 // block's ops held, none required grad when held, and by uninstall() all
-// but the batch did and three had a grad_fn. A scripted model that ran out of memory kept 8 of its
-// entries (1.6 MiB at half its peak, either recorder) alive after
-// uninstall(): held input -> its new grad_fn -> saved activations -> their
-// entries -> the lineage holding that input. Inference tensors (no autograd
-// metadata, no version counter) stay as they are, and so do tensor
-// subclasses without a grad_fn: their tensor_data() calls their Python
-// detach. A plain tensor's copy must not reach Python either: with a
-// TorchDispatchMode on the stack, shallow_copy_and_detach asks the mode's
-// detach unless the Python key is excluded. Without the exclusion, a first
-// version of this change failed inside selective checkpoint regions (whose
-// mode is on the stack as their ops run): "detach returned invalid type
-// float" in the C++ recorder's op callback, the op's record lost, and a
-// GPT-2 under a selective policy out of memory at half its peak.
+// but the batch did and three had a grad_fn. A scripted model whose
+// backward raised kept 8 of its entries alive after uninstall() (either
+// recorder): held input -> its new grad_fn -> saved activations -> their
+// entries -> the lineage holding that input.
+//
+// Held as they are:
+// * inference tensors (no autograd metadata, no version counter);
+// * parameters, leaves that require grad, which cannot be given a history:
+//   held so, a parameter follows `p.data = ...` as autograd's own saved
+//   parameters do, and the Python recorder needs no weak reference to it,
+//   which torch.utils.swap_tensors refuses (module.to() under
+//   torch.__future__.set_swap_module_params_on_conversion, subclass
+//   parameters) while a forward's inputs are held;
+// * tensor subclasses without a grad_fn: their tensor_data() calls their
+//   Python detach. A subclass with one is still copied through it, which a
+//   dispatch mode on the stack intercepts (open: see below).
+// A plain tensor's copy must not reach Python: with a TorchDispatchMode on
+// the stack, shallow_copy_and_detach asks the mode's detach unless the
+// Python key is excluded. Without the exclusion, a first version of this
+// change failed inside selective checkpoint regions (whose mode is on the
+// stack as their ops run): "detach returned invalid type float" in the C++
+// recorder's op callback, the op's record lost, and a GPT-2 under a
+// selective policy out of memory at half its peak.
 at::Tensor held_without_graph(const at::Tensor& tensor, External* held) {
   if (!tensor.defined() || tensor.is_inference()) return tensor;
+  if (tensor.is_leaf() && tensor.requires_grad()) return tensor;
   const bool subclass = tensor.unsafeGetTensorImpl()->is_python_dispatch();
   if (subclass && tensor.grad_fn() == nullptr) return tensor;
   if (held != nullptr) held->impl.emplace(tensor.getIntrusivePtr());
@@ -1133,8 +1144,8 @@ void bind_lineage(pybind11::module_& m) {
           "begins a forward at its next op (Note [A forward that ran out of memory]).");
   sub.def("held_without_graph", [](const at::Tensor& tensor) { return held_without_graph(tensor, nullptr); },
           py::arg("tensor"), "What the Python recorder holds of an input no recorded op made: its data and version counter "
-          "without its autograd metadata, or the tensor itself when it has none to strip (an inference tensor) or "
-          "is a subclass without a grad_fn (Note [Held without their graph]).");
+          "without its autograd metadata, or the tensor itself for an inference tensor, a parameter (a leaf that "
+          "requires grad) or a subclass without a grad_fn (Note [Held without their graph]).");
   sub.def("ops_recorded", [] {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

@@ -272,11 +272,12 @@ class ExternalLineage:
     csrc/torch/lineage_recorder.cpp): ``tensor`` is then None, ``handle``
     reads the tensor's version counter and keeps the entry alive, and
     ``weak`` tells whether the id keying :attr:`Lineage.externals` is still
-    this tensor's. The tensor is held without its autograd metadata, which
-    can gain a graph after the read (``tensor`` is then its data under the
-    same version counter, ``weak`` the tensor: Note [Held without their
-    graph] in csrc/torch/lineage_recorder.cpp), so that a forward that raised
-    leaves nothing allocated."""
+    this tensor's. Unless it is a parameter or an inference tensor, the
+    tensor is held as its data under the same version counter, without its
+    autograd metadata, which can gain a graph after the read, and ``weak``
+    is the tensor (Note [Held without their graph] in
+    csrc/torch/lineage_recorder.cpp), so that a forward that raised leaves
+    nothing allocated."""
 
     __slots__ = ("tensor", "key", "handle", "weak", "__weakref__")
 
