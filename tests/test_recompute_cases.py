@@ -1444,3 +1444,48 @@ def test_small_inputs_written_in_place_are_kept_as_copies():
     assert all(torch.equal(a, b) for a, b in zip(state, plain_state))
     assert stats["recompute_count"] > 0
     assert stats["reserved_bytes.all.peak"] <= budget
+
+
+class _SwapsItsWeight(nn.Module):
+    """Reads its weight, points it at halved data (``w.data = ...``, which
+    neither recorder sees), reads it twice more, and points it back before
+    backward, as an EMA or a weight-gathering scheme swaps data."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w)
+        with torch.no_grad():
+            kept = self.w.data
+            self.w.data = kept * 0.5
+        h = torch.tanh(torch.tanh(h @ self.w) @ self.w)
+        with torch.no_grad():
+            self.w.data = kept
+        return h
+
+
+def test_a_weight_whose_data_was_swapped_replays_the_data_the_forward_read(lineage_recorder):
+    # Note [Held without their graph]: a parameter was held as itself, so a
+    # replay read whatever data it pointed at by then: here the restored
+    # weights, where the forward had read the halved ones. Recompute-only
+    # then differed from the same run that swapped or kept everything
+    # (Python recorder, with the old rule patched in: losses differ from
+    # step 2). Plain PyTorch is not the reference here: its saved weight is
+    # the parameter itself, read at backward, while a pack hook (membudget's,
+    # or save_on_cpu's) keeps what the forward saw.
+    from training import run_managed
+
+    def batch():
+        return (torch.randn(2048, 256),)
+
+    def loss(model, inputs):
+        return model(inputs[0]).square().mean()
+
+    kept = run_managed(_SwapsItsWeight, batch, loss, 3, budget=None, min_tensor_bytes=4096)
+    budget = int(kept.stats["reserved_bytes.all.peak"] * 0.8)
+    replayed = run_managed(_SwapsItsWeight, batch, loss, 3, budget=budget, min_tensor_bytes=4096, actions="recompute")
+    assert replayed.stats["recompute_count"] > 0
+    assert replayed.losses == kept.losses
+    assert all(torch.equal(value, replayed.params[name]) for name, value in kept.params.items())

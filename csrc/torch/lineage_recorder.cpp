@@ -536,17 +536,22 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // recorder): held input -> its new grad_fn -> saved activations -> their
 // entries -> the lineage holding that input.
 //
-// Held as they are:
-// * inference tensors (no autograd metadata, no version counter);
-// * parameters, leaves that require grad, which cannot be given a history:
-//   held so, a parameter follows `p.data = ...` as autograd's own saved
-//   parameters do, and the Python recorder needs no weak reference to it,
-//   which torch.utils.swap_tensors refuses (module.to() under
-//   torch.__future__.set_swap_module_params_on_conversion, subclass
-//   parameters) while a forward's inputs are held;
-// * tensor subclasses without a grad_fn: their tensor_data() calls their
-//   Python detach. A subclass with one is still copied through it, which a
-//   dispatch mode on the stack intercepts (open: see below).
+// Parameters too: held as their data when read, a replay reads what the
+// forward read after `p.data = ...` (which neither recorder sees: set_data
+// reaches no RecordFunction and no dispatch mode), and a read after such a
+// swap finds another storage under the same TensorImpl and holds it anew
+// (make_ref). Held as themselves, an EMA-style swap between two reads, or
+// between forward and backward, replayed the other weights: wrong
+// gradients, silently, under either recorder (found by session 41's
+// review). The Python recorder holds a parameter it copied strongly, not
+// weakly: torch.utils.swap_tensors refuses a tensor with a weak reference
+// (module.to() under set_swap_module_params_on_conversion). The C++
+// recorder's weak TensorImpl reference it refuses too (open).
+//
+// Held as they are: inference tensors (no autograd metadata, no version
+// counter), and tensor subclasses without a grad_fn, whose tensor_data()
+// calls their Python detach. A subclass with a grad_fn is still copied
+// through it, which a dispatch mode on the stack intercepts (open).
 // A plain tensor's copy must not reach Python: with a TorchDispatchMode on
 // the stack, shallow_copy_and_detach asks the mode's detach unless the
 // Python key is excluded. Without the exclusion, a first version of this
@@ -556,7 +561,6 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // selective policy out of memory at half its peak.
 at::Tensor held_without_graph(const at::Tensor& tensor, External* held) {
   if (!tensor.defined() || tensor.is_inference()) return tensor;
-  if (tensor.is_leaf() && tensor.requires_grad()) return tensor;
   const bool subclass = tensor.unsafeGetTensorImpl()->is_python_dispatch();
   if (subclass && tensor.grad_fn() == nullptr) return tensor;
   if (held != nullptr) held->impl.emplace(tensor.getIntrusivePtr());
@@ -600,6 +604,10 @@ TensorRef make_ref(RecorderState& s, const at::Tensor& tensor, bool scratch) {
     // scratch and long-lived storages]).
   }
   std::shared_ptr<External>& held = s.externals[tensor.unsafeGetTensorImpl()];
+  // Another storage under the same tensor since it was first read (`p.data =
+  // ...`): a new input; what read the old one keeps it (Note [Held without
+  // their graph]).
+  if (held != nullptr && held->key != storage_address(tensor)) held = nullptr;
   if (held == nullptr) {
     held = std::make_shared<External>();
     held->tensor = held_without_graph(tensor, held.get());  // Note [Held without their graph]
@@ -1144,8 +1152,8 @@ void bind_lineage(pybind11::module_& m) {
           "begins a forward at its next op (Note [A forward that ran out of memory]).");
   sub.def("held_without_graph", [](const at::Tensor& tensor) { return held_without_graph(tensor, nullptr); },
           py::arg("tensor"), "What the Python recorder holds of an input no recorded op made: its data and version counter "
-          "without its autograd metadata, or the tensor itself for an inference tensor, a parameter (a leaf that "
-          "requires grad) or a subclass without a grad_fn (Note [Held without their graph]).");
+          "without its autograd metadata, or the tensor itself for an inference tensor or a subclass without a "
+          "grad_fn (Note [Held without their graph]).");
   sub.def("ops_recorded", [] {
     RecorderState& s = state();
     std::lock_guard<std::recursive_mutex> lock(s.mutex);

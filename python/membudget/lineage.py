@@ -55,6 +55,7 @@ C++ and is tested against this one.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import time
@@ -272,19 +273,28 @@ class ExternalLineage:
     csrc/torch/lineage_recorder.cpp): ``tensor`` is then None, ``handle``
     reads the tensor's version counter and keeps the entry alive, and
     ``weak`` tells whether the id keying :attr:`Lineage.externals` is still
-    this tensor's. Unless it is a parameter or an inference tensor, the
-    tensor is held as its data under the same version counter, without its
-    autograd metadata, which can gain a graph after the read, and ``weak``
-    is the tensor (Note [Held without their graph] in
-    csrc/torch/lineage_recorder.cpp), so that a forward that raised leaves
-    nothing allocated."""
+    this tensor's. Unless it is an inference tensor, the tensor is held as
+    its data under the same version counter, without its autograd metadata,
+    which can gain a graph after the read, so that a forward that raised
+    leaves nothing allocated; and as the data it had when read, so that a
+    replay reads that data after ``p.data = ...``. ``weak`` then returns the
+    tensor read: weakly, or for a parameter strongly (Note [Held without
+    their graph] in csrc/torch/lineage_recorder.cpp)."""
 
     __slots__ = ("tensor", "key", "handle", "weak", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, without_graph=None):
         self.handle = None
         self.tensor = tensor if without_graph is None else without_graph(tensor)
-        self.weak = None if self.tensor is tensor else weakref.ref(tensor)
+        if self.tensor is tensor:
+            self.weak = None
+        elif tensor.is_leaf and tensor.requires_grad:
+            # A parameter holds no graph, and torch.utils.swap_tensors
+            # refuses a tensor with a weak reference (module.to() under
+            # swap_module_params_on_conversion): held strongly.
+            self.weak = functools.partial(_same, tensor)
+        else:
+            self.weak = weakref.ref(tensor)
         # Its storage address when first read in this forward (externals are
         # renewed every forward): what replay.rescue_dependents_of matches
         # writes against, computed once instead of at every pack that reads it.
@@ -649,7 +659,9 @@ class Lineage:
             # long-lived buffers in practice.
             _forget_lineage_of(tensor)
         held = self.externals.get(id(tensor))
-        if held is None or held.held() is not tensor:
+        # A new storage under the same tensor (``p.data = ...``, which no
+        # mode sees) is a new input (Note [Held without their graph]).
+        if held is None or held.held() is not tensor or held.key != storage_address(tensor):
             held = self.externals[id(tensor)] = ExternalLineage(tensor, self._without_graph)
             self.held_inputs.add(held)
             if not scratch and self.native is not None and tensor.layout is torch.strided:
@@ -1046,6 +1058,10 @@ def _bind_replay_closure():
 
     _replay_closure = closure
     return closure
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def storage_address(tensor: torch.Tensor) -> int:
