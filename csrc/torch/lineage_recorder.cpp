@@ -540,10 +540,11 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // forward read after `p.data = ...` (which neither recorder sees: set_data
 // reaches no RecordFunction and no dispatch mode), and a read after such a
 // swap finds another storage under the same TensorImpl and holds it anew
-// (make_ref). Held as themselves, an EMA-style swap between two reads, or
-// between forward and backward, replayed the other weights: wrong
-// gradients, silently, under either recorder (found by session 41's
-// review). The Python recorder holds a parameter it copied strongly, not
+// (make_ref). Held as themselves, a weight swapped between two reads and
+// restored before backward replayed the restored data, so a recompute-only
+// run differed from the same run without replays, silently (the Python
+// recorder with the old rule patched in, from step 2; the C++ recorder held
+// parameters the same way; found by session 41's review). The Python recorder holds a parameter it copied strongly, not
 // weakly: torch.utils.swap_tensors refuses a tensor with a weak reference
 // (module.to() under set_swap_module_params_on_conversion). The C++
 // recorder's weak TensorImpl reference it refuses too (open).
