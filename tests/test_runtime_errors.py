@@ -661,11 +661,11 @@ def test_a_forward_that_raises_after_rrelu_keeps_no_noise(lineage_recorder):
 
 def test_parameters_swap_while_a_forward_is_held_python_recorder(python_lineage):
     # Note [Held without their graph]: the Python recorder holds a parameter
-    # as itself, with no weak reference, which torch.utils.swap_tensors
-    # refuses: module.to() under swap_module_params_on_conversion (and for
-    # subclass parameters) works after a forward whose inputs are still
-    # held. The C++ recorder holds a second reference to the parameter,
-    # which swap_tensors refuses too; that is open.
+    # it copied strongly, with no weak reference, which
+    # torch.utils.swap_tensors refuses: module.to() under
+    # swap_module_params_on_conversion works after a forward whose inputs
+    # are still held. The C++ recorder's weak reference to the parameter's
+    # TensorImpl is refused too; that is open.
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
     membudget.install(budget=64 * MiB, min_tensor_bytes=4096, actions="recompute")
     model(torch.randn(512, 256)).square().mean()  # forward only: its inputs stay held
