@@ -1,7 +1,8 @@
 """Data-parallel training under a budget: each rank installs membudget with a
 budget of its own (DESIGN.md "Beyond one machine"), and training must give
 plain PyTorch's losses and parameters bit for bit on every rank, under
-DistributedDataParallel and under FSDP2 (``fully_shard``).
+DistributedDataParallel, FSDP2 (``fully_shard``) and FSDP1
+(``FullyShardedDataParallel`` with ``use_orig_params``).
 
 Two ranks over gloo on the CPU, a transformers GPT-2 with dropout 0.1. DDP
 adds what a single process does not have: a parameter broadcast from rank 0
@@ -41,7 +42,11 @@ CONFIGS = {"ddp": [("swap", "cxx", 0.5, None), ("recompute", "python", 0.5, None
                    ("both", "python", 0.5, None)],
            "fsdp2": [("swap", "cxx", 0.5, None), ("swap", "python", 0.5, None),
                      ("both", "python", 0.7, HOST_TIER), ("both", "cxx", 0.7, HOST_TIER),
-                     ("recompute", "python", 0.8, None), ("recompute", "cxx", 0.8, None)]}
+                     ("recompute", "python", 0.8, None), ("recompute", "cxx", 0.8, None)],
+           # FSDP1 with use_orig_params: parameters pointed at views of the
+           # gathered flat parameter by set_data, which no recorder sees.
+           "fsdp1": [("swap", "cxx", 0.6, None), ("recompute", "cxx", 0.7, None),
+                     ("recompute", "python", 0.7, None)]}
 
 
 def _name(actions: str, lineage: str, fraction: float, host_tier) -> str:
@@ -52,6 +57,13 @@ def _name(actions: str, lineage: str, fraction: float, host_tier) -> str:
 def _wrap(wrapper: str, model: torch.nn.Module) -> torch.nn.Module:
     if wrapper == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    if wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({GPT2Block}), use_orig_params=True,
+                                        device_id=torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
