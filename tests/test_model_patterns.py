@@ -14,9 +14,9 @@ mixing with ``rfft``/``irfft`` and complex weights beside Cholesky, QR,
 adapters, a graph run backward twice (``retain_graph=True``), stochastic
 depth with its mask filled in place (``bernoulli_``), and MAE's random
 token masking, blocks compiled by TorchScript, and an optimizer stepped
-inside backward by post-accumulate-grad hooks. Under a budget that forces eviction, each trains
-as plain PyTorch does, bit for bit, within the budget, under each lineage
-recorder, recompute-only and with both actions.
+inside backward by post-accumulate-grad hooks. Under a budget that forces
+eviction, each trains as plain PyTorch does, bit for bit, within the
+budget, under each lineage recorder, recompute-only and with both actions.
 
 Plain PyTorch is not repeatable on some of these with more than one
 intra-op thread: the CPU backward of advanced indexing

@@ -49,8 +49,9 @@ struct StorageLineage;
 // A tensor no recorded op produced (a parameter, the batch): held, not rebuilt.
 struct External {
   // The tensor's data without its autograd metadata, or the tensor itself
-  // (a parameter, an inference tensor: Note [Held without their graph] in
-  // lineage_recorder.cpp); undefined once held through its entry.
+  // (an inference tensor, a subclass without a grad_fn: Note [Held without
+  // their graph] in lineage_recorder.cpp); undefined once held through its
+  // entry.
   at::Tensor tensor;
   uintptr_t key = 0;  // storage address when first read this forward
   // Note [Held inputs reached through their entry] (lineage_recorder.cpp):

@@ -544,8 +544,9 @@ void hold_through_entry(External& held, std::shared_ptr<StorageResidency> entry,
 // restored before backward replayed the restored data, so a recompute-only
 // run differed from the same run without replays, silently (the Python
 // recorder with the old rule patched in, from step 2; the C++ recorder held
-// parameters the same way; found by session 41's review). The Python recorder holds a parameter it copied strongly, not
-// weakly: torch.utils.swap_tensors refuses a tensor with a weak reference
+// parameters the same way; found by session 41's review). The Python
+// recorder holds a parameter it copied strongly, not weakly:
+// torch.utils.swap_tensors refuses a tensor with a weak reference
 // (module.to() under set_swap_module_params_on_conversion). The C++
 // recorder's weak TensorImpl reference it refuses too (open).
 //
